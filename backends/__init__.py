@@ -1,0 +1,4 @@
+"""MLA decode backends: registry, capabilities, eligibility, adapters, our Triton kernels.
+
+Importing this package loads no kernel library; adapters import on first use.
+"""

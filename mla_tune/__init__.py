@@ -1,0 +1,23 @@
+"""mla-tune: measured MLA attention backend choice for serving engines.
+
+`import mla_tune` is cheap: it loads no torch, triton or flashinfer, and the
+lookup machinery is imported on first use of `lookup`, `static_priority` or
+`Choice`.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["Choice", "lookup", "static_priority", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("lookup", "Choice"):
+        from mla_tune import runtime
+
+        globals()[name] = getattr(runtime, name)
+        return globals()[name]
+    if name == "static_priority":
+        from mla_tune.backends.priority import static_priority
+
+        return static_priority
+    raise AttributeError(f"module 'mla_tune' has no attribute {name!r}")
