@@ -1,0 +1,182 @@
+"""The decision rule: which backend wins a key, by how much, and why (DESIGN.md principles).
+
+1. Only a backend that ran correctly at every scored shape can win; a
+   failure, a hang, an incorrect result or a missing shape disqualifies it,
+   and the reason is kept.
+2. Score = weighted geometric mean over shapes of time / best time at that
+   shape (1.0 = best everywhere).
+3. vLLM's static choice is kept when its score is within the measured noise
+   margin of the best score.
+4. Anomalies: a backend whose score at one head count departs by more than
+   20% from the trend of its neighbouring head counts.
+
+Pure functions of records: no torch, no store, no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+from mla_tune.backends.device import SoftwareFingerprint
+from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinner
+
+# The noise margin is the measured relative confidence half-widths of the two
+# scores added, clamped: never below 0.5% (a CI from few samples understates
+# drift between runs), never above 2% (the decision-quality promise is "the
+# stored winner scores within 2% of the best"; a wider band would break it).
+NOISE_FLOOR = 0.005
+NOISE_CAP = 0.02
+ANOMALY_THRESHOLD = 0.20
+_DISQUALIFYING = ("failed", "incorrect", "timeout", "ineligible")
+
+
+class NoDecision(ValueError):
+    """No backend ran correctly at any shape of the key; the message says why."""
+
+
+def _rel_halfwidth(m: Measurement) -> float:
+    if m.ci_low_ms is None or m.ci_high_ms is None or not m.median_ms:
+        return 0.0
+    return max(0.0, (m.ci_high_ms - m.ci_low_ms) / (2.0 * m.median_ms))
+
+
+def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
+           weights: Mapping[tuple[int, int], float] | None = None,
+           static_choice: str | None = None,
+           fingerprint: SoftwareFingerprint = SoftwareFingerprint(),
+           decided_at: str = "",
+           extra_failures: Mapping[str, str] | None = None) -> Decision:
+    """Apply the decision rule to one key's measurements (from one or several identical GPUs).
+
+    Args:
+        key: the decision key; measurements of other keys are ignored.
+        measurements: every attempt at this key; several GPUs' times for the
+            same (backend, shape) are combined by their median.
+        weights: (batch_size, kv_len) -> weight; missing shapes weigh 0,
+            None = uniform over the measured shapes.
+        static_choice: vLLM's pick for this key (kept when within noise).
+        fingerprint: the software the measurements were taken with.
+        decided_at: ISO 8601 timestamp to store.
+        extra_failures: backend -> reason for backends that never reached a
+            shape (ineligible before timing).
+
+    Raises:
+        NoDecision: no backend has a correct time at any weighted shape.
+    """
+    times: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
+    noise: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
+    failures: dict[str, str] = dict(extra_failures or {})
+    gpus: set[str] = set()
+    for m in measurements:
+        if m.key != key:
+            continue
+        if m.gpu_uuid:
+            gpus.add(m.gpu_uuid)
+        shape = (m.batch_size, m.kv_len)
+        if m.status == "ok" and m.median_ms is not None and m.median_ms > 0:
+            times[(m.backend, shape)].append(m.median_ms)
+            noise[(m.backend, shape)].append(_rel_halfwidth(m))
+        elif m.status in _DISQUALIFYING and m.backend not in failures:
+            failures[m.backend] = (f"{m.status} at batch {m.batch_size} x kv_len {m.kv_len}: "
+                                   f"{m.reason or 'no reason recorded'}")
+    median = {k: statistics.median(v) for k, v in times.items()}
+    if weights is None:
+        weights = {shape: 1.0 for _, shape in median}
+    shapes = sorted({shape for _, shape in median if weights.get(shape, 0.0) > 0})
+    if not shapes:
+        reasons = "; ".join(f"{b}: {r}" for b, r in sorted(failures.items())) or "nothing was measured"
+        raise NoDecision(f"no backend has a correct time for {key.label} ({reasons})")
+    backends = sorted({b for b, _ in median} - set(failures))
+    # A backend must have a time at every shape the others were scored on;
+    # shapes nobody qualified reached are dropped (a skipped or unfinished shape).
+    covered = [s for s in shapes if any((b, s) in median for b in backends)]
+    for b in backends:
+        missing = [s for s in covered if (b, s) not in median]
+        if missing:
+            failures[b] = f"not measured at batch {missing[0][0]} x kv_len {missing[0][1]}"
+    backends = [b for b in backends if b not in failures]
+    if not backends:
+        reasons = "; ".join(f"{b}: {r}" for b, r in sorted(failures.items()))
+        raise NoDecision(f"no backend ran correctly at every shape of {key.label} ({reasons})")
+    total_w = sum(weights[s] for s in covered)
+    best = {s: min(median[(b, s)] for b in backends) for s in covered}
+    scores, noise_of = {}, {}
+    for b in backends:
+        log_sum = sum(weights[s] * math.log(median[(b, s)] / best[s]) for s in covered)
+        scores[b] = math.exp(log_sum / total_w)
+        noise_of[b] = sum(weights[s] * statistics.mean(noise[(b, s)]) for s in covered) / total_w
+    ranked = sorted(backends, key=lambda b: (scores[b], b))
+    winner = ranked[0]
+    runner_up = ranked[1] if len(ranked) > 1 else None
+    noise_margin = NOISE_FLOOR
+    kept_static = False
+    static_score = scores.get(static_choice) if static_choice else None
+    if static_choice and static_score is not None and static_choice != winner:
+        noise_margin = min(NOISE_CAP, max(NOISE_FLOOR, noise_of[static_choice] + noise_of[winner]))
+        if static_score <= scores[winner] * (1.0 + noise_margin):
+            kept_static = True
+            runner_up = winner
+            winner = static_choice
+    elif static_choice == winner:
+        noise_margin = min(NOISE_CAP, max(NOISE_FLOOR, 2 * noise_of[winner]))
+    margin = scores[runner_up] / scores[winner] - 1.0 if runner_up else None
+    if static_choice and static_choice not in scores and static_choice not in failures:
+        failures[static_choice] = "vLLM's static choice was not timed (mla-tune has no adapter for it here)"
+    per_shape = tuple(ShapeWinner(s[0], s[1], min(backends, key=lambda b: (median[(b, s)], b)), best[s])
+                      for s in covered)
+    return Decision(key=key, winner=winner, static_choice=static_choice, scores=scores,
+                    runner_up=runner_up, margin=margin, static_score=static_score,
+                    noise_margin=noise_margin, kept_static=kept_static, per_shape=per_shape,
+                    failures=failures, fingerprint=fingerprint, gpu_uuids=tuple(sorted(gpus)),
+                    decided_at=decided_at)
+
+
+def family(key: DecisionKey) -> tuple:
+    """Everything of a key but the head count: keys of one family form a TP sweep."""
+    return (key.sku, key.compute_capability, key.query_dtype, key.kv_cache_dtype, key.geometry,
+            key.page_size, key.topk, key.q_len)
+
+
+def find_anomalies(decisions: Sequence[Decision], *, threshold: float = ANOMALY_THRESHOLD) -> dict[DecisionKey, list[str]]:
+    """Flag backends whose score at one head count departs from the trend of its neighbours.
+
+    Within each family (same key but heads), for each backend and each
+    interior head count h (one smaller and one larger head count measured),
+    the trend is the log-log interpolation of the backend's scores at the two
+    neighbours; a score more than `threshold` above or below it is an anomaly.
+
+    Returns:
+        key -> sentences, only for keys with anomalies.
+    """
+    groups: dict[tuple, list[Decision]] = defaultdict(list)
+    for d in decisions:
+        groups[family(d.key)].append(d)
+    found: dict[DecisionKey, list[str]] = defaultdict(list)
+    for group in groups.values():
+        group = sorted({d.key.num_heads: d for d in group}.values(), key=lambda d: d.key.num_heads)
+        for i in range(1, len(group) - 1):
+            lo, mid, hi = group[i - 1], group[i], group[i + 1]
+            for backend, score in sorted(mid.scores.items()):
+                if backend not in lo.scores or backend not in hi.scores:
+                    continue
+                x0, x, x1 = (math.log(d.key.num_heads) for d in (lo, mid, hi))
+                t = (x - x0) / (x1 - x0)
+                trend = math.exp((1 - t) * math.log(lo.scores[backend]) + t * math.log(hi.scores[backend]))
+                departure = score / trend - 1.0
+                if abs(departure) > threshold:
+                    word = "above" if departure > 0 else "below"
+                    found[mid.key].append(
+                        f"{backend} at {mid.key.num_heads} heads scores {score:.2f}x the per-shape best, "
+                        f"{abs(departure):.0%} {word} its trend from {lo.key.num_heads} heads "
+                        f"({lo.scores[backend]:.2f}x) and {hi.key.num_heads} heads ({hi.scores[backend]:.2f}x)")
+    return dict(found)
+
+
+def with_anomalies(decisions: Sequence[Decision]) -> list[Decision]:
+    """The same decisions with `anomalies` recomputed across their families."""
+    found = find_anomalies(decisions)
+    return [replace(d, anomalies=tuple(found.get(d.key, ()))) for d in decisions]

@@ -1,0 +1,265 @@
+"""Inside a worker: measure every backend at one shape (inputs, reference, prepare, gate, time).
+
+This runs in the worker subprocess (see `worker.py`), never in the tuner's
+main process, so a backend that aborts or corrupts the CUDA context takes only
+the worker down. Every step reports an event through `emit` as it happens, so
+the parent knows which backend was in flight when something dies.
+
+Events sent (plain tuples, picklable):
+    ("begin", backend, phase)        phase in prepare, timing
+    ("result", backend, Outcome)     one per backend
+    ("shape_skipped", reason)        the shape does not fit or cannot be built
+    ("shape_done", info dict)        seconds per phase, peak memory, clocks
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mla_tune.backends.problem import Problem, Shape, kv_bytes_per_element
+from mla_tune.tuner.gate import check_output
+
+# Fraction of free GPU memory a shape may plan to use (allocator slack, library workspaces).
+MEMORY_HEADROOM = 0.85
+# Per-backend allowance for workspaces and output buffers beyond q/KV (FlashInfer's
+# float workspace is 128 MiB; plan info and outputs are small).
+BACKEND_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ShapeTask:
+    """One shape of one key, for the listed backends, as sent to a worker."""
+
+    problem: Problem
+    shape: Shape
+    backends: tuple[str, ...]
+    seed: int = 0
+    rel_ci_target: float = 0.01
+    max_seconds: float = 1.0
+    adapters: tuple[tuple[str, str], ...] = ()   # name -> "module:Class" overrides (tests)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one backend at one shape."""
+
+    status: str                           # a Measurement status
+    median_ms: float | None = None
+    ci_low_ms: float | None = None
+    ci_high_ms: float | None = None
+    samples: int = 0
+    rel_error: float | None = None
+    reason: str = ""
+    prepare_s: float | None = None        # prepare + first run (JIT, plan), untimed
+    clocks: dict = field(default_factory=dict)   # sm_clock_mhz_before/after, temperature_c_before/after
+
+
+class PoisonedContext(RuntimeError):
+    """A CUDA error that leaves the context unusable: the worker must exit after reporting."""
+
+
+_FATAL_MARKERS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                  "misaligned address", "illegal instruction", "CUDA error", "cudaError",
+                  "an illegal", "launch timed out")
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One line: the exception type and the first line of its message (at most 400 characters)."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}"[:400]
+
+
+def _resolve(name: str, overrides: dict[str, str]):
+    path = overrides.get(name)
+    if path is None:
+        from mla_tune.backends.registry import load_adapter
+
+        return load_adapter(name)
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def shape_bytes(problem: Problem, shape: Shape) -> int:
+    """Upper bound of one input set's bytes (q + the page pool with its spare pages)."""
+    head = problem.geometry.head_size
+    pages = shape.batch_size * (-(-shape.kv_len // problem.page_size)) * 1.125 + shape.batch_size + 1
+    kv = pages * problem.page_size * head * kv_bytes_per_element(problem.kv_cache_dtype)
+    q = shape.batch_size * problem.q_len * problem.num_heads * head * 2
+    return int(kv + q)
+
+
+class _Nvml:
+    """SM clock and temperature of the worker's GPU (None fields when NVML is unavailable)."""
+
+    def __init__(self, gpu: str | None):
+        self.handle = None
+        if gpu is None:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.lib = pynvml
+            self.handle = (pynvml.nvmlDeviceGetHandleByUUID(gpu) if not gpu.isdigit()
+                           else pynvml.nvmlDeviceGetHandleByIndex(int(gpu)))
+        except Exception:  # noqa: BLE001 - clocks are optional facts, never a reason to fail
+            self.handle = None
+
+    def read(self) -> tuple[int | None, int | None]:
+        if self.handle is None:
+            return None, None
+        try:
+            clock = int(self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM))
+            temp = int(self.lib.nvmlDeviceGetTemperature(self.handle, self.lib.NVML_TEMPERATURE_GPU))
+            return clock, temp
+        except Exception:  # noqa: BLE001
+            return None, None
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(marker in text for marker in _FATAL_MARKERS)
+
+
+def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit) -> dict[str, Callable[[], object]]:
+    """CUDA graphs of each backend over rotating input copies (cold L2), captured per backend."""
+    from mla_tune.backends.inputs import clone_data, input_set_bytes
+    from mla_tune.tuner import timing
+
+    per_set = input_set_bytes(inputs)
+    copies = timing.l2_rotation_copies(per_set, free_bytes=free_bytes)
+    sets = clone_data(inputs, copies)
+    steps = {}
+    for name, runner in prepared.items():
+        emit(("begin", name, "capture"))
+        steps[name] = timing.capture_graph(lambda runner=runner: [runner.run(s) for s in sets],
+                                           iterations_per_replay=len(sets))
+    return steps
+
+
+def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str = "cuda",
+                  gpu: str | None = None, bench: Callable | None = None) -> None:
+    """Measure `task` and report through `emit` (see the module docstring).
+
+    Args:
+        task: the key's problem, the shape and the backends to try.
+        emit: sends one event to the parent.
+        device: `cuda` (the one GPU this worker sees) or `cpu` (tests).
+        gpu: NVML index or UUID of the GPU, for clocks and temperature.
+        bench: the timing function (`timing.time_interleaved` signature);
+            None = the real one.
+
+    Raises:
+        PoisonedContext: after reporting, when a CUDA error leaves the context unusable.
+    """
+    import torch
+
+    from mla_tune.backends.inputs import make_inputs
+    from mla_tune.backends.interface import BackendUnavailable
+    from mla_tune.backends.reference import TorchReference
+
+    problem, shape = task.problem, task.shape
+    overrides = dict(task.adapters)
+    on_cuda = device == "cuda"
+    dev = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
+    info: dict = {"prepare_s": {}}
+    free_bytes = None
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        free_bytes, _ = torch.cuda.mem_get_info(dev)
+        need = shape_bytes(problem, shape) * 2 + BACKEND_WORKSPACE_BYTES * len(task.backends)
+        if need > free_bytes * MEMORY_HEADROOM:
+            emit(("shape_skipped", f"needs about {need / 2**30:.1f} GiB for inputs, one rotated copy and "
+                                   f"workspaces, but only {free_bytes / 2**30:.1f} GiB of GPU memory is free"))
+            return
+    t0 = time.perf_counter()
+    try:
+        inputs = make_inputs(problem, shape, device=dev, seed=task.seed)
+        ref_out, ref_lse = TorchReference().prepare(problem, inputs).run(inputs)
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+    except torch.OutOfMemoryError as exc:
+        emit(("shape_skipped", f"out of memory building inputs or the reference: {describe_exception(exc)}"))
+        return
+    info["inputs_and_reference_s"] = time.perf_counter() - t0
+
+    prepared: dict = {}
+    for name in task.backends:
+        emit(("begin", name, "prepare"))
+        t0 = time.perf_counter()
+        try:
+            runner = _resolve(name, overrides)().prepare(problem, inputs)
+            out, lse = runner.run(inputs)
+            if on_cuda:
+                torch.cuda.synchronize(dev)
+            prepare_s = time.perf_counter() - t0
+            info["prepare_s"][name] = prepare_s
+            verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
+        except BackendUnavailable as exc:
+            emit(("result", name, Outcome("ineligible", reason=f"rejected at prepare: {exc}")))
+            continue
+        except torch.OutOfMemoryError as exc:
+            if on_cuda:
+                torch.cuda.empty_cache()
+            emit(("result", name, Outcome("failed", reason=f"out of memory at prepare: {describe_exception(exc)}")))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a failure is data
+            emit(("result", name, Outcome("failed", reason=f"prepare or first run raised {describe_exception(exc)}")))
+            if on_cuda and _is_fatal(exc):
+                raise PoisonedContext(describe_exception(exc)) from exc
+            continue
+        if not verdict.ok:
+            emit(("result", name, Outcome("incorrect", rel_error=verdict.rel_error, reason=verdict.reason,
+                                          prepare_s=prepare_s)))
+            continue
+        prepared[name] = (runner, verdict.rel_error, prepare_s)
+    if not prepared:
+        emit(("shape_done", info))
+        return
+
+    runners = {name: p[0] for name, p in prepared.items()}
+    if bench is None:
+        from mla_tune.tuner.timing import time_interleaved as bench
+    nvml = _Nvml(gpu if on_cuda else None)
+    t0 = time.perf_counter()
+    try:
+        if on_cuda:
+            free_now, _ = torch.cuda.mem_get_info(dev)
+            steps = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit)
+        else:
+            steps = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
+        emit(("begin", None, "timing"))
+        clock_before, temp_before = nvml.read()
+        timings = bench(steps, rel_ci_target=task.rel_ci_target, max_seconds=task.max_seconds)
+        clock_after, temp_after = nvml.read()
+    except Exception as exc:  # noqa: BLE001
+        for name, (_, rel, prepare_s) in prepared.items():
+            emit(("result", name, Outcome("failed", rel_error=rel, prepare_s=prepare_s,
+                                          reason=f"graph capture or timing raised {describe_exception(exc)}")))
+        if on_cuda and _is_fatal(exc):
+            raise PoisonedContext(describe_exception(exc)) from exc
+        emit(("shape_done", info))
+        return
+    info["timing_s"] = time.perf_counter() - t0
+    clocks = dict(sm_clock_mhz_before=clock_before, sm_clock_mhz_after=clock_after,
+                  temperature_c_before=temp_before, temperature_c_after=temp_after)
+    for name, (_, rel, prepare_s) in prepared.items():
+        timing = timings.get(name)
+        if timing is None:
+            emit(("result", name, Outcome("failed", rel_error=rel, prepare_s=prepare_s,
+                                          reason="the timing harness returned no time for it")))
+            continue
+        emit(("result", name, Outcome("ok", median_ms=float(timing.median_ms),
+                                      ci_low_ms=float(timing.ci_low_ms), ci_high_ms=float(timing.ci_high_ms),
+                                      samples=int(timing.samples), rel_error=rel, prepare_s=prepare_s,
+                                      clocks=clocks)))
+    if on_cuda:
+        info["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(dev))
+    info["pid"] = os.getpid()
+    emit(("shape_done", info))
