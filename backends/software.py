@@ -1,0 +1,99 @@
+"""The software fingerprint of this process, read without importing any GPU library.
+
+A serving engine calls the lookup at startup, so this must cost a few
+milliseconds: versions come from installed package metadata
+(`importlib.metadata`), the CUDA runtime from the text of torch's
+`version.py` (read, not imported), and the kernel hash from our Triton
+kernel sources on disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import re
+from importlib import metadata
+from pathlib import Path
+
+from mla_tune.backends.device import SoftwareFingerprint
+
+_KERNEL_DIR = Path(__file__).resolve().parent / "triton_mla"
+_CUDA_LINE = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+_CUDA_SUFFIX = re.compile(r"\+cu(\d+)(\d)$")
+
+
+def package_version(distribution: str) -> str:
+    """The installed version of `distribution`, or "" when it is not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def torch_cuda_runtime(torch_version: str = "") -> str:
+    """The CUDA runtime torch was built against (e.g. "13.0"), "" for a CPU build or no torch.
+
+    Reads `torch/version.py` as text; falls back to the `+cuXYZ` suffix of the
+    version string.
+    """
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = (Path(location) / "version.py").read_text(encoding="utf-8")
+        except OSError:
+            continue
+        match = _CUDA_LINE.search(text)
+        if match:
+            return match.group(1)
+        return ""
+    match = _CUDA_SUFFIX.search(torch_version)
+    return f"{match.group(1)}.{match.group(2)}" if match else ""
+
+
+def kernel_hash(directory: Path = _KERNEL_DIR) -> str:
+    """sha256 (16 hex digits) over the relative paths and bytes of our kernel sources.
+
+    Any edit to a `.py` file under `backends/triton_mla/` changes it, which
+    makes decisions measured with the old kernels stale.
+    """
+    digest = hashlib.sha256()
+    if directory.is_dir():
+        for path in sorted(directory.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            digest.update(path.relative_to(directory).as_posix().encode())
+            digest.update(b"\0")
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def current_fingerprint(*, driver_version: str = "") -> SoftwareFingerprint:
+    """The fingerprint of the software installed for this interpreter (cached per process).
+
+    Args:
+        driver_version: the NVIDIA driver version from NVML (e.g. "580.65.06");
+            "" when unknown (no GPU probed).
+
+    Returns:
+        torch, triton and flashinfer versions ("" when absent), the CUDA
+        runtime torch was built for, the driver, mla-tune's version and the
+        kernel-source hash.
+    """
+    from mla_tune import __version__
+
+    torch_version = package_version("torch")
+    return SoftwareFingerprint(
+        torch=torch_version,
+        triton=package_version("triton"),
+        flashinfer=package_version("flashinfer-python"),
+        cuda_runtime=torch_cuda_runtime(torch_version) if torch_version else "",
+        driver=driver_version,
+        mla_tune=__version__,
+        kernel_hash=kernel_hash(),
+    )

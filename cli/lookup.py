@@ -1,0 +1,86 @@
+"""`mla-tune lookup`: the backend a serving engine should use, in the engine's words."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+
+import click
+
+from mla_tune.cli.output import fail, print_json, warn
+from mla_tune.cli.params import ComputeCapability, problem_options
+
+FORMATS = ("text", "json", "vllm", "sglang", "env")
+
+
+@click.command()
+@problem_options(heads_required=True)
+@click.option("--device-name", default=None, metavar="NAME",
+              help='GPU name as NVML reports it, e.g. "NVIDIA H100 80GB HBM3" (with --cc; default: probe).')
+@click.option("--cc", "compute_capability", type=ComputeCapability(), default=None,
+              help="Compute capability of --device-name, e.g. 9.0.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="text for people, json for programs, vllm/sglang for the engine's flag, env for scripts.")
+@click.pass_context
+def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype, device_name,
+           compute_capability, fmt) -> None:
+    """Print the tuned backend for a problem on this GPU, or vLLM's static choice and why.
+
+    A store that cannot be read is a warning on stderr, never a failure: the
+    static choice is printed and the exit status is 0.
+
+    Example: vllm serve deepseek-ai/DeepSeek-V3 $(mla-tune lookup --heads 16 --kv-cache-dtype fp8 --format vllm)
+    """
+    from mla_tune.cli.main import db_url
+    from mla_tune.runtime import NoDeviceError, NoEligibleBackendError, lookup as run_lookup
+
+    if (device_name is None) != (compute_capability is None):
+        raise click.UsageError("--device-name and --cc go together (give both, or neither to probe the GPU)")
+    if device_name is not None and not device_name.strip():
+        raise click.BadParameter("must not be empty", param_hint="'--device-name'")
+    device = None if device_name is None else {"name": device_name, "compute_capability": compute_capability}
+    url = db_url(ctx)
+    logging.getLogger("mla_tune").addHandler(logging.NullHandler())  # warnings are printed below, once
+    try:
+        choice = run_lookup(num_heads, kv_cache_dtype, device=device, sparse=sparse, db=url,
+                            page_size=page_size, query_dtype=query_dtype, topk=topk)
+    except NoDeviceError as exc:
+        raise fail(f"{exc.detail}; pass --device-name NAME --cc X.Y to look up without a local GPU") from None
+    except NoEligibleBackendError as exc:
+        raise fail(str(exc)) from None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    for text in choice.warnings:
+        warn(f"{text}; using vLLM's static choice")
+    render(choice, fmt)
+
+
+def render(choice, fmt: str) -> None:
+    """Print `choice` in one of FORMATS."""
+    from mla_tune.backends.registry import BACKENDS
+
+    info = BACKENDS[choice.backend]
+    if fmt == "json":
+        print_json(choice.to_dict())
+    elif fmt in ("vllm", "sglang"):
+        engine_name = info.vllm_name if fmt == "vllm" else info.sglang_name
+        engine = "vLLM" if fmt == "vllm" else "SGLang"
+        if engine_name:
+            click.echo(f"--attention-backend {engine_name}")
+        else:
+            click.echo(f"mla-tune: {choice.backend} ({choice.source}) has no {engine} equivalent; printing no "
+                       f"flag, so {engine} keeps its own choice", err=True)
+    elif fmt == "env":
+        values = {"MLA_TUNE_BACKEND": choice.backend, "MLA_TUNE_SOURCE": choice.source,
+                  "MLA_TUNE_VLLM_BACKEND": info.vllm_name or "",
+                  "MLA_TUNE_SGLANG_BACKEND": info.sglang_name or ""}
+        click.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in values.items()))
+    else:
+        margin = f", margin {100 * choice.margin:.1f}% over {choice.runner_up}" \
+            if choice.margin is not None and choice.runner_up else ""
+        click.echo(f"{choice.backend} ({choice.source}{margin})")
+        click.echo(f"  why: {choice.why}")
+        if choice.source == "tuned" and choice.static_choice and choice.static_choice != choice.backend:
+            click.echo(f"  vLLM's static choice would be {choice.static_choice}")
+        for name, texts in choice.reasons.items():
+            click.echo(f"  not {name}: {'; '.join(t for t in texts if t != choice.why)}")

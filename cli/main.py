@@ -1,0 +1,99 @@
+"""The `mla-tune` command group: global options, error handling, subcommand registration.
+
+Each subcommand lives in its own module and is registered from `COMMANDS`
+below (one line each). Every usage error is one line on stderr with exit
+status 2; a library error becomes one line with exit status 1; no traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from mla_tune import __version__
+
+# (module, attribute) of each subcommand, in help order; add one line per new command.
+COMMANDS = [
+    ("mla_tune.cli.probe", "probe"),
+    ("mla_tune.cli.backends_cmd", "backends"),
+    ("mla_tune.cli.lookup", "lookup"),
+    ("mla_tune.cli.show", "show"),
+    ("mla_tune.cli.db", "db"),
+]
+
+
+class MainGroup(click.Group):
+    """A click group whose errors are one line on stderr (click prints usage and a hint)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            with self.make_context(prog_name or "mla-tune",
+                                   list(sys.argv[1:] if args is None else args), **extra) as ctx:
+                self.invoke(ctx)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            click.echo(f"mla-tune: error: {_one_line(exc.format_message())}", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            click.echo(f"mla-tune: error: {_one_line(exc.format_message())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("mla-tune: aborted", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("mla-tune: interrupted", err=True)
+            sys.exit(130)
+        except BrokenPipeError:
+            sys.exit(1)
+        sys.exit(0)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def validated_db_url(url: str | None) -> str:
+    """The store URL to use (`--db`, `$MLA_TUNE_DB` or the default), or a usage error. Creates nothing."""
+    from mla_tune.store.engine import resolve_url
+
+    try:
+        return resolve_url(url)
+    except ValueError as exc:
+        raise click.BadParameter(_one_line(exc), param_hint="'--db'") from None
+
+
+@click.group(cls=MainGroup, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--db", "db_url", metavar="URL", envvar="MLA_TUNE_DB", show_envvar=True,
+              help="SQLAlchemy URL of the decision store (default: an SQLite file in the user's data directory).")
+@click.version_option(__version__, "--version", prog_name="mla-tune", message="%(prog)s %(version)s")
+@click.pass_context
+def main(ctx: click.Context, db_url: str | None) -> None:
+    """Measure which MLA decode backend is fastest on this GPU, and serve the answer.
+
+    With no command, runs the main job: probe the GPU, tune every key not yet
+    tuned with this software, store the decisions and print them. Without an
+    NVIDIA GPU it says so and prints vLLM's static choices instead.
+
+    Example: mla-tune --db sqlite:///decisions.db lookup --heads 64 --kv-cache-dtype fp8
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["db"] = validated_db_url(db_url) if db_url else None
+    if ctx.invoked_subcommand is None:
+        from mla_tune.cli.mainjob import run_main_job
+
+        run_main_job(ctx)
+
+
+def db_url(ctx: click.Context) -> str:
+    """The resolved store URL for a subcommand (validated `--db`, else the default)."""
+    root = ctx.find_root()
+    url = (root.obj or {}).get("db")
+    return url if url is not None else validated_db_url(None)
+
+
+for _module, _attr in COMMANDS:
+    main.add_command(getattr(importlib.import_module(_module), _attr))
