@@ -107,3 +107,21 @@ class Decision:
     fingerprint: SoftwareFingerprint = SoftwareFingerprint()
     gpu_uuids: tuple[str, ...] = ()
     decided_at: str = ""                 # ISO 8601, UTC
+
+
+RUN_STATUSES = ("running", "done", "failed", "interrupted")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One tuning run on one GPU of one node, as stored."""
+
+    id: int
+    sku: str
+    gpu_uuid: str
+    fingerprint_digest: str
+    preset: str
+    node: str
+    status: str                          # one of RUN_STATUSES
+    started_at: str                      # ISO 8601, UTC
+    finished_at: str | None = None

@@ -1,0 +1,28 @@
+"""Alembic environment: migrations run on the connection `store.migrate` hands over.
+
+`render_as_batch=True` lets SQLite alter tables (copy-and-move) in later revisions.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from mla_tune.store.models import Base
+
+config = context.config
+connection = config.attributes.get("connection")
+if connection is None:  # `alembic -c store/alembic.ini ...` from a checkout
+    from mla_tune.store.engine import make_engine, resolve_url
+
+    engine = make_engine(resolve_url(config.get_main_option("sqlalchemy.url") or None))
+    with engine.begin() as connection:
+        context.configure(connection=connection, target_metadata=Base.metadata,
+                          render_as_batch=True, compare_type=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+else:
+    context.configure(connection=connection, target_metadata=Base.metadata,
+                      render_as_batch=True, compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()

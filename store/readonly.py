@@ -1,0 +1,144 @@
+"""The read-only fast path behind `mla_tune.lookup`.
+
+A serving engine calls this at startup (eight at once on an 8-GPU node), so it
+never creates, migrates or writes the store and it is cheap: SQLite goes
+through the standard library's `sqlite3` opened with `mode=ro` (importing
+SQLAlchemy alone costs several hundred ms); other databases go through
+SQLAlchemy Core with a 2 s connect timeout. Alembic is never imported here.
+
+Every problem with the store raises `StoreError` with one line; the caller
+falls back to the static choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+from urllib.parse import quote
+
+from mla_tune.store import codec
+from mla_tune.store.engine import CONNECT_TIMEOUT_S, default_url, scrub, translate_error
+from mla_tune.store.records import Decision
+from mla_tune.store.schema import KNOWN_REVISIONS, newer_schema_message
+from mla_tune.store.sqlite_file import StoreError, check_sqlite_file, sqlite_path
+
+_DECISION_COLUMNS = (*codec.KEY_FIELDS, "winner", "runner_up", "margin", "static_choice",
+                     "static_score", "noise_margin", "kept_static", "scores", "per_shape",
+                     "anomalies", "failures", "gpu_uuids", "decided_at")
+_SELECT = ("SELECT " + ", ".join(f"d.{c}" for c in _DECISION_COLUMNS) + ", "
+           + ", ".join(f"f.{c} AS fp_{c}" for c in codec.FINGERPRINT_FIELDS)
+           + " FROM decisions d JOIN fingerprints f ON f.digest = d.fingerprint_digest")
+_ORDER = " ORDER BY d.decided_at DESC, d.updated_at DESC, d.id DESC"
+
+
+def _query(*, sku: str | None, device_name: str | None,
+           key_fields: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    where, params = [], {}
+    if sku is not None:
+        where.append("d.sku = :sku")
+        params["sku"] = sku
+    elif device_name is not None:
+        prefix = f"{device_name} | "
+        where.append("substr(d.sku, 1, :prefix_len) = :prefix")
+        params.update(prefix=prefix, prefix_len=len(prefix))
+    for name, value in (key_fields or {}).items():
+        if name not in codec.KEY_FIELDS:
+            raise ValueError(f"unknown decision key field {name!r}; known: {', '.join(codec.KEY_FIELDS)}")
+        where.append(f"d.{name} = :{name}")
+        params[name] = value
+    return _SELECT + (" WHERE " + " AND ".join(where) if where else "") + _ORDER, params
+
+
+def _decision(row: Mapping[str, Any]) -> Decision:
+    fingerprint = codec.fingerprint_from({c: row[f"fp_{c}"] for c in codec.FINGERPRINT_FIELDS})
+    return codec.decision_from(row, fingerprint)
+
+
+def _check_revision(revisions: list[str], where: str) -> None:
+    if not revisions:
+        raise StoreError(f"{where} has no mla-tune schema revision (not migrated); run `mla-tune db upgrade`")
+    for revision in revisions:
+        if revision not in KNOWN_REVISIONS:
+            raise StoreError(newer_schema_message(where, revision))
+
+
+def find_decisions(url: str | None = None, *, sku: str | None = None, device_name: str | None = None,
+                   key_fields: Mapping[str, Any] | None = None) -> list[Decision]:
+    """Stored decisions matching a SKU (or a device name) and key fields, newest first.
+
+    Args:
+        url: the store; None for `$MLA_TUNE_DB` or the default SQLite file.
+        sku: exact `DeviceInfo.sku`; takes precedence over `device_name`.
+        device_name: match every SKU of this GPU name (when only the name is known).
+        key_fields: `DecisionKey` field -> value, e.g. `{"kv_cache_dtype": "fp8_e4m3", "num_heads": 16}`.
+
+    Returns:
+        Every match, under any software fingerprint; the caller checks compatibility.
+
+    Raises:
+        StoreError: the store is missing, empty, not a database, truncated, a
+            directory, unreadable, locked beyond the timeout, of a newer or
+            unknown schema, or unreachable.
+        ValueError: `key_fields` names a field that is not part of a decision key.
+    """
+    sql, params = _query(sku=sku, device_name=device_name, key_fields=key_fields)
+    url = url if url and str(url).strip() else default_url()
+    path = sqlite_path(url)
+    if path is not None:
+        return _find_sqlite(path, url, sql, params)
+    return _find_sqlalchemy(url, sql, params)
+
+
+def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any]) -> list[Decision]:
+    import sqlite3
+
+    check_sqlite_file(path, must_exist=True)
+    try:
+        connection = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True,
+                                     timeout=CONNECT_TIMEOUT_S)
+    except sqlite3.Error as exc:
+        raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
+    try:
+        connection.row_factory = sqlite3.Row
+        tables = {r[0] for r in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "alembic_version" not in tables:
+            raise StoreError(f"{path} has no mla-tune tables (an SQLite database of something else, "
+                             f"or never migrated); run `mla-tune db upgrade`")
+        _check_revision([r[0] for r in connection.execute("SELECT version_num FROM alembic_version")], path)
+        return [_decision(row) for row in connection.execute(sql, params)]
+    except sqlite3.Error as exc:
+        raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
+    finally:
+        connection.close()
+
+
+def _find_sqlalchemy(url: str, sql: str, params: dict[str, Any]) -> list[Decision]:
+    try:
+        from mla_tune.store.engine import resolve_url
+
+        url = resolve_url(url)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from None
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    try:
+        engine = create_engine(url, poolclass=NullPool,
+                               connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    except Exception as exc:  # a missing driver, e.g. psycopg not installed
+        raise StoreError(scrub(f"cannot use {url}: {type(exc).__name__}: {exc}", url)) from None
+    try:
+        with engine.connect() as connection:
+            try:
+                revisions = list(connection.execute(text("SELECT version_num FROM alembic_version")).scalars())
+            except SQLAlchemyError as exc:
+                if "alembic_version" in str(exc):
+                    raise StoreError(scrub(f"the database at {url} has no mla-tune tables; "
+                                           f"run `mla-tune db upgrade`", url)) from None
+                raise
+            _check_revision(revisions, scrub(url, url))
+            return [_decision(row._mapping) for row in connection.execute(text(sql), params)]
+    except SQLAlchemyError as exc:
+        raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
+    finally:
+        engine.dispose()
