@@ -1,0 +1,94 @@
+"""`mla_decode`: the public one-call entry point (allocates its outputs and workspace)."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_tune.backends.triton_mla.launch import (
+    D_LATENT, D_ROPE, LaunchParams, Workspace, default_params, launch, m_blocks_of, sm_count)
+
+
+def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices) -> None:
+    if kv_lora_rank != D_LATENT:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} is not supported; the kernel is built for {D_LATENT}")
+    if q.dim() != 4 or q.shape[-1] != D_LATENT + D_ROPE:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected [batch, q_len, heads, {D_LATENT + D_ROPE}]")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q has dtype {q.dtype}; expected bfloat16 or float16")
+    if not 1 <= q.shape[1] <= 4:
+        raise ValueError(f"q_len {q.shape[1]} is not in 1..4")
+    if not 1 <= q.shape[2] <= 128:
+        raise ValueError(f"heads {q.shape[2]} is not in 1..128")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != D_LATENT + D_ROPE:
+        raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; expected "
+                         f"[num_pages, page_size, {D_LATENT + D_ROPE}]")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        if q.dtype != torch.bfloat16 and q.dtype != torch.float16:
+            raise ValueError(f"FP8 KV needs a bf16 or fp16 query, got {q.dtype}")
+    elif kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; expected q's {q.dtype} or float8_e4m3fn")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous last dimension")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must be int32 [batch={q.shape[0]}, max_pages], got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (q.shape[0],) or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be contiguous int32 [batch={q.shape[0]}], got "
+                         f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if topk_indices is not None:
+        if (topk_indices.dtype != torch.int32 or topk_indices.dim() != 3
+                or tuple(topk_indices.shape[:2]) != tuple(q.shape[:2]) or topk_indices.stride(-1) != 1):
+            raise ValueError(f"topk_indices must be int32 [batch, q_len, topk] with a contiguous last "
+                             f"dimension, got {topk_indices.dtype} {tuple(topk_indices.shape)}")
+    if isinstance(kv_scale, torch.Tensor) and (kv_scale.dim() != 0 or kv_scale.device != q.device):
+        raise ValueError(f"kv_scale tensor must be 0-d on {q.device}, got shape {tuple(kv_scale.shape)} "
+                         f"on {kv_scale.device}")
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, *, sm_scale: float, kv_lora_rank: int = 512,
+               kv_scale=None, topk_indices: torch.Tensor | None = None,
+               params: LaunchParams | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA decode over a paged latent KV cache (dense or top-k sparse).
+
+    Args:
+        q: `[batch, q_len, heads, 576]` or `[batch, heads, 576]`, bf16/fp16.
+        kv_cache: `[num_pages, page_size, 576]` in q's dtype, or float8_e4m3fn with `kv_scale`.
+        block_table: int32 `[batch, max_pages]`.
+        seq_lens: int32 `[batch]`, tokens in the cache including the new query tokens.
+        sm_scale: softmax scale.
+        kv_lora_rank: latent width; only 512 is supported.
+        kv_scale: None, a float, or a 0-d fp32 tensor (real value = stored value x kv_scale).
+        topk_indices: int32 `[batch, q_len, topk]` token positions, -1 for unused (sparse).
+        params: launch parameters; None uses `default_params` (split count from the
+            block-table capacity, so no host sync).
+
+    Returns:
+        `out` `[..., heads, 512]` in q's dtype and `lse` fp32 `[..., heads]` (natural log).
+        This convenience call allocates both plus the split workspace; the adapters
+        preallocate them in `prepare` instead.
+    """
+    squeeze = q.dim() == 3
+    if squeeze:
+        q = q.unsqueeze(1)
+    _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices)
+    if kv_cache.dtype == torch.float8_e4m3fn and kv_scale is None:
+        raise ValueError("kv_scale is required with a float8_e4m3fn kv_cache")
+    batch, q_len, num_heads, _ = q.shape
+    sparse = topk_indices is not None
+    if params is None:
+        max_items = topk_indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
+        params = default_params(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
+                                num_sms=sm_count(q.device), sparse=sparse,
+                                kv_fp8=kv_cache.dtype == torch.float8_e4m3fn)
+    out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
+    workspace = None
+    if params.num_splits > 1:
+        workspace = Workspace.allocate(batch=batch, num_splits=params.num_splits, q_len=q_len,
+                                       num_heads=num_heads, device=q.device)
+    launch(q, kv_cache, block_table, seq_lens, out, lse, sm_scale=sm_scale, kv_scale=kv_scale,
+           topk_indices=topk_indices, params=params, workspace=workspace)
+    if squeeze:
+        return out.squeeze(1), lse.squeeze(1)
+    return out, lse

@@ -1,0 +1,175 @@
+"""Triton kernels of the absorbed-MLA decode: one split-KV pass and one exact combine.
+
+Stage 1 (`_mla_split_kernel`), grid `(m_blocks, batch, num_splits)`: a program
+owns `BLOCK_H` query rows of one request and one contiguous range of its KV
+tokens (dense) or of its top-k list (sparse). Dense rows pack the query block
+`q_len x heads` into the matrix M dimension (row `r` is query token
+`r // heads`, head `r % heads`), so a KV tile read from HBM serves every head
+and every MTP token at once; sparse rows are heads of one query token (each
+token has its own top-k list). Each KV tile is loaded once as `[BLOCK_N, 576]`
+and used twice: transposed for the scores `q @ k^T` and as V (its first 512
+columns) for `p @ v`. FP8 e4m3 tiles are cast to the query dtype right after
+the load; the per-tensor scale is folded into the score scale and applied
+once to the output, so the cast is exact.
+
+The m-block is the fastest grid dimension, so the programs that read the same
+KV range (more than one only above `BLOCK_H` rows) run side by side and the
+second read hits L2.
+
+Stage 2 (`_mla_combine_kernel`) merges the per-split `(out, lse)` partials in
+float32: `lse = logsumexp(lse_s)`, `out = sum_s exp(lse_s - lse) out_s`.
+Empty splits carry `lse_s = -inf` and `out_s = 0`; a row with no visible key
+at all gets `out = 0`, `lse = -inf` (never NaN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """`acc + a @ b`; UPCAST (CPU interpreter only, whose bf16 `tl.dot` is wrong) in fp32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
+    o_ptr, lse_ptr,
+    sm_scale_log2, kv_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvp, stride_kvt,
+    stride_btb,
+    stride_tkb, stride_tkt,
+    stride_ob, stride_os, stride_ot, stride_oh,
+    stride_lb, stride_ls, stride_lt, stride_lh,
+    num_heads, topk, num_splits,
+    Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    rows = tl.arange(0, BLOCK_H)
+    if SPARSE:
+        head_blocks = tl.cdiv(num_heads, BLOCK_H)
+        q_tok = pid_m // head_blocks
+        h = (pid_m % head_blocks) * BLOCK_H + rows
+        qi = q_tok + rows * 0
+        row_ok = h < num_heads
+        n_items = topk
+    else:
+        r = pid_m * BLOCK_H + rows
+        qi = r // num_heads
+        h = r % num_heads
+        row_ok = r < Q_LEN * num_heads
+        n_items = seq_len
+    # MTP causal rule: query token i sees the first seq_len - q_len + 1 + i keys.
+    visible_len = seq_len - Q_LEN + 1 + qi
+
+    tiles = tl.cdiv(n_items, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, n_items)
+
+    offs_c = tl.arange(0, D_LATENT)
+    offs_r = tl.arange(0, D_ROPE)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + qi * stride_qt + h * stride_qh
+    q_nope = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row[:, None] + D_LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+
+    if KV_SCALE_IS_PTR:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+    qk_scale = sm_scale_log2 * kv_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        if SPARSE:
+            pos = tl.load(topk_ptr + b.to(tl.int64) * stride_tkb + q_tok * stride_tkt + offs_n,
+                          mask=in_range, other=-1)
+            tok_ok = in_range & (pos >= 0) & (pos < seq_len)
+        else:
+            pos = offs_n
+            tok_ok = in_range
+        page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
+        kv_row = kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
+        k = tl.load(kv_row[:, None] + offs_c[None, :], mask=tok_ok[:, None], other=0.0)
+        k_pe = tl.load(kv_row[:, None] + D_LATENT + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
+        if KV_CAST:  # FP8 e4m3 -> query dtype, exact; the scale is applied outside the matmuls
+            k = k.to(q_nope.dtype)
+            k_pe = k_pe.to(q_nope.dtype)
+
+        qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+        qk = _dot(q_pe, tl.trans(k_pe), qk, DOT_UPCAST)
+        visible = tok_ok[None, :] & (pos[None, :] < visible_len[:, None])
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(k.dtype), k, acc, DOT_UPCAST)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    inv_l = tl.where(has_keys, kv_scale / tl.where(has_keys, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
+    tl.store(o_row[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
+             lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
+    stride_pb, stride_ps, stride_pt, stride_ph,
+    stride_qb, stride_qs, stride_qt, stride_qh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
+    num_heads, num_splits,
+    D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)  # q_len * heads
+    b = tl.program_id(1).to(tl.int64)
+    qi = row // num_heads
+    h = row % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_base = lse_part_ptr + b * stride_qb + qi * stride_qt + h * stride_qh
+    lse_s = tl.load(lse_base + offs_s * stride_qs, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_s - m_safe), 0)
+    inv_total = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
+
+    offs_c = tl.arange(0, D_LATENT)
+    o_base = o_part_ptr + b * stride_pb + qi * stride_pt + h * stride_ph
+    acc = tl.zeros([D_LATENT], dtype=tl.float32)
+    for s in range(num_splits):
+        weight = tl.exp(tl.load(lse_base + s * stride_qs) - m_safe) * inv_total
+        acc += weight * tl.load(o_base + s * stride_ps + offs_c)
+    tl.store(out_ptr + b * stride_ob + qi * stride_ot + h * stride_oh + offs_c, acc)
+    lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + b * stride_lb + qi * stride_lt + h * stride_lh, lse)

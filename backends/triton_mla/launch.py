@@ -1,0 +1,183 @@
+"""Launch parameters, the default heuristic, workspace sizing and the launcher.
+
+The tunable space is small and declared as data (`PARAM_SPACE`); the tuner
+may try any point of it per device, and `default_params` picks one from the
+problem and the GPU's multiprocessor count alone.
+
+Workspace bound (allocated once by `Workspace.allocate`, never per call): the
+split partials need `batch x num_splits x rows x 512` float32 values plus
+`batch x num_splits x rows` LSEs, where `rows = q_len x heads`. The heuristic
+keeps `num_splits <= max(1, floor(2 x SMs / (batch x m_blocks)))`, so
+`batch x num_splits <= batch + 2 x SMs` and the partials never exceed
+`(batch + 2 x SMs) x rows x 2052` bytes (about 69 MB at 128 heads, q_len 2,
+132 SMs and batch 1; twice the fp32 output size plus that at large batches).
+With one split the kernel writes `out`/`lse` directly and needs no workspace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from mla_tune.backends.triton_mla.kernel import LOG2E, _mla_combine_kernel, _mla_split_kernel
+
+D_LATENT = 512
+D_ROPE = 64
+MAX_SPLITS = 64
+
+# The declared tuning space: every combination is a valid launch on SM80+.
+PARAM_SPACE = {
+    "block_h": (16, 32, 64),
+    "block_n": (16, 32, 64),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3),
+    "min_split_tokens": (128, 256, 512, 1024),
+}
+
+
+@dataclass(frozen=True)
+class LaunchParams:
+    """One point of `PARAM_SPACE` (plus the split count it implies for a shape).
+
+    Attributes:
+        block_h: query rows (q_len x heads, packed) per program; the MMA M dimension.
+        block_n: KV tokens per tile.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the KV loads.
+        num_splits: programs along the KV axis of one request (flash-decoding).
+    """
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int = 1
+
+    def label(self) -> str:
+        return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
+                f"s{self.num_stages}x{self.num_splits}")
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (4 for CPU tensors under the Triton interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def packed_rows(num_heads: int, q_len: int, *, sparse: bool) -> int:
+    """Rows in one program's M dimension group: q_len x heads dense, heads sparse."""
+    return num_heads if sparse else q_len * num_heads
+
+
+def choose_splits(*, batch: int, m_blocks: int, max_items: int, num_sms: int,
+                  min_split_tokens: int = 256) -> int:
+    """Flash-decoding split count: fill about two waves, keep each split >= min_split_tokens."""
+    programs = batch * m_blocks
+    wanted = (2 * num_sms) // programs
+    by_length = max(1, max_items // min_split_tokens)
+    return int(max(1, min(wanted, by_length, MAX_SPLITS)))
+
+
+def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+                   sparse: bool = False, kv_fp8: bool = False) -> LaunchParams:
+    """The heuristic: tile sizes from the head count, splits from batch x length x SMs.
+
+    Args:
+        max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
+    """
+    rows = packed_rows(num_heads, q_len, sparse=sparse)
+    block_h = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 32 if block_h == 64 else 64
+    num_warps = 8 if block_h == 64 else 4
+    m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
+    splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
+                           min_split_tokens=256 if block_h < 64 else 512)
+    return LaunchParams(block_h, block_n, num_warps, 2, splits)
+
+
+def m_blocks_of(params: LaunchParams, *, num_heads: int, q_len: int, sparse: bool) -> int:
+    rows = packed_rows(num_heads, q_len, sparse=sparse)
+    return triton.cdiv(rows, params.block_h) * (q_len if sparse else 1)
+
+
+@dataclass
+class Workspace:
+    """Split partials: `o_part` fp32 `[batch, splits, q_len, heads, 512]`, `lse_part` fp32 `[..., heads]`."""
+
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+
+    @classmethod
+    def allocate(cls, *, batch: int, num_splits: int, q_len: int, num_heads: int,
+                 device: torch.device) -> Workspace:
+        shape = (batch, num_splits, q_len, num_heads)
+        return cls(torch.empty(*shape, D_LATENT, dtype=torch.float32, device=device),
+                   torch.empty(*shape, dtype=torch.float32, device=device))
+
+
+def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+           seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+           sm_scale: float, kv_scale, topk_indices: torch.Tensor | None,
+           params: LaunchParams, workspace: Workspace | None) -> None:
+    """Enqueue stage 1 (and the combine when `params.num_splits > 1`); no allocation, no sync.
+
+    Args:
+        q: `[batch, q_len, heads, 576]`, last dim contiguous.
+        kv_cache: `[num_pages, page_size, 576]`, last dim contiguous.
+        out: `[batch, q_len, heads, 512]` in q's dtype (written).
+        lse: fp32 `[batch, q_len, heads]` (written).
+        kv_scale: None, a float, or a 0-d fp32 tensor on q's device.
+    """
+    batch, q_len, num_heads, _ = q.shape
+    page_size = kv_cache.shape[1]
+    sparse = topk_indices is not None
+    kv_cast = kv_cache.dtype != q.dtype
+    scale_is_ptr = isinstance(kv_scale, torch.Tensor)
+    scale_value = 1.0 if kv_scale is None or scale_is_ptr else float(kv_scale)
+    scale_ptr = kv_scale if scale_is_ptr else seq_lens
+    topk_ptr = topk_indices if sparse else seq_lens
+    topk = topk_indices.shape[2] if sparse else 0
+    tk_strides = (topk_indices.stride(0), topk_indices.stride(1)) if sparse else (0, 0)
+
+    splits = params.num_splits
+    if splits > 1:
+        o_dst, l_dst = workspace.o_part, workspace.lse_part
+        o_strides = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), o_dst.stride(3))
+        l_strides = (l_dst.stride(0), l_dst.stride(1), l_dst.stride(2), l_dst.stride(3))
+    else:
+        o_dst, l_dst = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
+        l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
+
+    m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
+    _mla_split_kernel[(m_blocks, batch, splits)](
+        q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
+        o_dst, l_dst,
+        sm_scale * LOG2E, scale_value,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        *tk_strides,
+        *o_strides, *l_strides,
+        num_heads, topk, splits,
+        Q_LEN=q_len, PAGE_SIZE=page_size, D_LATENT=D_LATENT, D_ROPE=D_ROPE,
+        BLOCK_H=params.block_h, BLOCK_N=params.block_n,
+        SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
+        DOT_UPCAST=q.device.type != "cuda",
+        num_warps=params.num_warps, num_stages=params.num_stages,
+    )
+    if splits > 1:
+        o_part, lse_part = workspace.o_part, workspace.lse_part
+        _mla_combine_kernel[(q_len * num_heads, batch)](
+            o_part, lse_part, out, lse,
+            *o_strides, *l_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            num_heads, splits,
+            D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
+        )

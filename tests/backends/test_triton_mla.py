@@ -1,0 +1,204 @@
+"""TRITON_MLA / TRITON_MLA_SPARSE against the float32 reference.
+
+CPU: the kernels run under the Triton interpreter in one subprocess (the
+interpreter must be switched on before triton is imported, and must stay off
+for the GPU tests in this process), on small shapes. GPU (marker `gpu`): the
+full correctness grid of issue 4 on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from mla_tune.backends.inputs import make_inputs  # noqa: E402
+from mla_tune.backends.problem import Problem, Shape  # noqa: E402
+from mla_tune.backends.reference import mla_reference  # noqa: E402
+
+BF16_TOL, FP8_TOL = 1e-2, 2e-2
+
+# name -> (problem kwargs, shape, explicit seq_lens or None, params or None, kv_scale as tensor)
+CPU_CASES = {
+    "bf16_h3_edge_lengths": (dict(num_heads=3, page_size=16), (5, 17), [1, 15, 16, 17, 0], None, False),
+    "bf16_h3_qlen2_splits": (dict(num_heads=3, page_size=16, q_len=2), (3, 70), None, (16, 16, 4, 1, 3), False),
+    "bf16_h20_qlen2_two_mblocks": (dict(num_heads=20, page_size=16, q_len=2), (2, 40), None, (32, 16, 4, 1, 2), False),
+    "fp8_h5_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64), (2, 150), None,
+                             (16, 32, 4, 1, 2), False),
+    "fp8_h1_scale_tensor": (dict(num_heads=1, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 33), None, None, True),
+    "fp16_h3": (dict(num_heads=3, kv_cache_dtype="fp16", query_dtype="fp16", page_size=32), (2, 50), None, None,
+                False),
+    "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
+                             False),
+    "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
+                            (16, 16, 4, 1, 1), False),
+}
+
+
+def _rel_err(out, ref) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=None, scale_tensor=False):
+    from mla_tune.backends.triton_mla import LaunchParams, mla_decode
+
+    inputs = make_inputs(problem, shape, device=device, seed=7)
+    if seq_lens is not None:
+        inputs.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    kv_scale = inputs.kv_scale
+    if scale_tensor:
+        kv_scale = torch.tensor(kv_scale, dtype=torch.float32, device=device)
+    out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                          sm_scale=inputs.sm_scale, kv_scale=kv_scale, topk_indices=inputs.topk_indices,
+                          params=LaunchParams(*params) if params else None)
+    ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
+                                     topk_indices=inputs.topk_indices)
+    seen = torch.isfinite(ref_lse)
+    return {
+        "rel_err": _rel_err(out[seen], ref_out[seen]) if seen.any() else 0.0,
+        "lse_err": float((lse[seen] - ref_lse[seen]).abs().max()) if seen.any() else 0.0,
+        "nan": bool(out.isnan().any() or lse.isnan().any()),
+        "unseen_rows_ok": bool((out[~seen] == 0).all() and (lse[~seen] == -math.inf).all()),
+        "out_dtype_ok": out.dtype == inputs.q.dtype and lse.dtype == torch.float32,
+    }
+
+
+def _worker() -> None:
+    """Subprocess entry: run CPU_CASES under TRITON_INTERPRET=1, print JSON."""
+    results = {}
+    for name, (kwargs, shape, lens, params, scale_tensor) in CPU_CASES.items():
+        results[name] = _run_case(Problem(**kwargs), Shape(*shape), device="cpu", seq_lens=lens,
+                                  params=params, scale_tensor=scale_tensor)
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_interpreted_kernel_matches_reference(interpreted_results, case):
+    result = interpreted_results[case]
+    tol = FP8_TOL if "fp8" in case else BF16_TOL
+    assert not result["nan"]
+    assert result["rel_err"] < tol, result
+    assert result["lse_err"] < 1e-2, result
+    assert result["unseen_rows_ok"], "rows with no visible key must give out 0 and lse -inf"
+    assert result["out_dtype_ok"]
+
+
+def test_empty_request_gives_zero_output_and_minus_inf_lse(interpreted_results):
+    # seq_len 0 is the last request of the edge-length case; "unseen_rows_ok" covers it.
+    assert interpreted_results["bf16_h3_edge_lengths"]["unseen_rows_ok"]
+
+
+def test_default_splits_fill_the_gpu_and_respect_the_workspace_bound():
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    small = default_params(num_heads=16, q_len=1, batch=1, max_items=16384, num_sms=132)
+    assert small.num_splits > 16, "one long request must be split across many SMs"
+    big = default_params(num_heads=128, q_len=1, batch=128, max_items=16384, num_sms=132)
+    assert big.num_splits == 1
+    for batch in (1, 3, 64):
+        for heads in (1, 16, 128):
+            p = default_params(num_heads=heads, q_len=2, batch=batch, max_items=32768, num_sms=132)
+            m_blocks = math.ceil(2 * heads / p.block_h)
+            assert batch * p.num_splits <= batch + 2 * 132 / m_blocks + 1
+    short = default_params(num_heads=16, q_len=1, batch=1, max_items=100, num_sms=132)
+    assert short.num_splits == 1, "a split shorter than a few hundred tokens costs more than it saves"
+
+
+def test_mla_decode_names_the_bad_tensor():
+    from mla_tune.backends.triton_mla import mla_decode
+
+    q = torch.zeros(1, 1, 4, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, 576, dtype=torch.float16)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_cache has dtype"):
+        mla_decode(q, kv, bt, lens, sm_scale=0.1)
+    with pytest.raises(ValueError, match="kv_scale is required"):
+        mla_decode(q, kv.to(torch.float8_e4m3fn), bt, lens, sm_scale=0.1)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        mla_decode(q, kv.bfloat16(), bt.long(), lens, sm_scale=0.1)
+
+
+# ---------------------------------------------------------------- GPU: the full grid of issue 4
+
+GPU_HEADS = (1, 3, 16, 20, 64, 128)
+EDGE_LENGTHS = [1, 15, 16, 17, 1000, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("heads", GPU_HEADS)
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_gpu_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, q_len=q_len)
+    lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS]
+    r = _run_case(problem, Shape(len(lens), 1000), device="cuda", seq_lens=lens)
+    assert not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
+    assert r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+    assert r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (128, 2, 32768), (64, 8, 4096), (20, 33, 3000)])
+def test_gpu_dense_long(kv_dtype, heads, batch, kv_len):
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, q_len=2 if heads == 20 else 1)
+    r = _run_case(problem, Shape(batch, kv_len), device="cuda")
+    assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("heads", GPU_HEADS)
+def test_gpu_sparse_topk2048(kv_dtype, q_len, heads):
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, topk=2048, q_len=q_len)
+    r = _run_case(problem, Shape(4, 5000), device="cuda")
+    assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_short_requests_pad_with_minus_one():
+    problem = Problem(num_heads=16, kv_cache_dtype="bf16", page_size=1, topk=2048, q_len=2)
+    r = _run_case(problem, Shape(3, 700), device="cuda")
+    assert not r["nan"] and r["rel_err"] < BF16_TOL, r
+
+
+@pytest.mark.gpu
+def test_gpu_adapter_runs_inside_a_cuda_graph():
+    from mla_tune.backends.triton_mla.adapter import TritonMLA
+
+    problem = Problem(num_heads=64, kv_cache_dtype="fp8_e4m3", page_size=64)
+    inputs = make_inputs(problem, Shape(4, 3000), device="cuda", seed=3)
+    prepared = TritonMLA().prepare(problem, inputs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = prepared.run(inputs)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                               sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale)
+    assert _rel_err(out, ref_out) < FP8_TOL
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
