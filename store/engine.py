@@ -122,7 +122,8 @@ def translate_error(exc: BaseException, url: str, *, busy_timeout_s: float | Non
     elif "readonly database" in low or "read-only" in low:
         msg = f"{where} is read-only ({text}); mla-tune needs to write it"
     elif "unable to open database file" in low:
-        msg = f"cannot open {where} (unable to open database file; check the path and its permissions)"
+        msg = (f"cannot open {where} (unable to open database file): check that the file and its "
+               f"directory exist and are readable, and writable for the -wal/-shm files")
     elif "no such table" in low:
         msg = f"{where} has no mla-tune tables ({text}); run `mla-tune db upgrade`"
     elif url.startswith("postgresql") and ("connect" in low or "timeout" in low

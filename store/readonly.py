@@ -12,6 +12,7 @@ falls back to the static choice.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 from urllib.parse import quote
 
@@ -92,12 +93,9 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any]) -> list[
     import sqlite3
 
     check_sqlite_file(path, must_exist=True)
+    connection = None
     try:
-        connection = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True,
-                                     timeout=CONNECT_TIMEOUT_S)
-    except sqlite3.Error as exc:
-        raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
-    try:
+        connection = _connect_ro(sqlite3, path)
         connection.row_factory = sqlite3.Row
         tables = {r[0] for r in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if "alembic_version" not in tables:
@@ -108,7 +106,28 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any]) -> list[
     except sqlite3.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
     finally:
+        if connection is not None:
+            connection.close()
+
+
+def _connect_ro(sqlite3, path: str):
+    """Open `path` read-only; a WAL database in a directory we cannot write is opened immutable.
+
+    A read-only connection to a WAL database must create the `-shm` file next to
+    it. When that is impossible (read-only directory or medium) and there is no
+    `-wal` file, no writer can be active there either, so reading the file as
+    immutable is safe.
+    """
+    uri = f"file:{quote(path)}?mode=ro"
+    connection = sqlite3.connect(uri, uri=True, timeout=CONNECT_TIMEOUT_S)
+    try:
+        connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+        return connection
+    except sqlite3.OperationalError as exc:
         connection.close()
+        if "unable to open" not in str(exc) or os.path.exists(path + "-wal"):
+            raise
+    return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=CONNECT_TIMEOUT_S)
 
 
 def _find_sqlalchemy(url: str, sql: str, params: dict[str, Any]) -> list[Decision]:

@@ -253,7 +253,7 @@ class Store:
     def _decisions(self, session: Session, stmt) -> list[Decision]:
         stmt = stmt.join(FingerprintRow, FingerprintRow.digest == DecisionRow.fingerprint_digest)
         out = []
-        for row, fp in session.execute(stmt.add_columns(FingerprintRow)).tuples():
+        for row, fp in session.execute(stmt.add_columns(FingerprintRow)):
             out.append(codec.decision_from(_columns(row), codec.fingerprint_from(_columns(fp))))
         return out
 
@@ -314,7 +314,7 @@ class Store:
             return [Run(id=r.id, sku=r.sku, gpu_uuid=uuid or "", fingerprint_digest=digest,
                         preset=r.preset, node=r.node, status=r.status, started_at=r.started_at,
                         finished_at=r.finished_at)
-                    for r, uuid, digest in session.execute(stmt.order_by(RunRow.id)).tuples()]
+                    for r, uuid, digest in session.execute(stmt.order_by(RunRow.id))]
 
     def devices(self) -> list[DeviceInfo]:
         with self._reading() as session:
