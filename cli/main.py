@@ -21,6 +21,7 @@ COMMANDS = [
     ("mla_tune.cli.lookup", "lookup"),
     ("mla_tune.cli.show", "show"),
     ("mla_tune.cli.db", "db"),
+    ("mla_tune.cli.tune", "tune"),
 ]
 
 
