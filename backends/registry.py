@@ -46,7 +46,9 @@ _SM100 = frozenset({10})
 BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
     BackendInfo(
         "FLASHINFER_MLA",
-        Capabilities(cc_majors=_SM100, kv_cache_dtypes=_WITH_FP8, page_sizes=frozenset({32, 64}),
+        # FlashInfer 0.7.2 requires a bf16 `out` for trtllm-gen, hence a bf16 query.
+        Capabilities(cc_majors=_SM100, query_dtypes=frozenset({"bf16"}), kv_cache_dtypes=_WITH_FP8,
+                     page_sizes=frozenset({32, 64}),
                      qk_nope_head_dims=frozenset({64, 128, 192}), forbidden_heads=((65, 127),),
                      required_modules=("flashinfer",)),
         adapter="mla_tune.backends.flashinfer_blackwell:TrtllmGenMLA",
@@ -54,7 +56,8 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         summary="FlashInfer trtllm-gen decode (trtllm_batch_decode_with_kv_cache_mla), SM100/103"),
     BackendInfo(
         "FLASHINFER_MLA_SPARSE",
-        Capabilities(cc_majors=_SM100, kv_cache_dtypes=_WITH_FP8, page_sizes=frozenset({32, 64}),
+        Capabilities(cc_majors=_SM100, query_dtypes=frozenset({"bf16"}), kv_cache_dtypes=_WITH_FP8,
+                     page_sizes=frozenset({32, 64}),
                      qk_nope_head_dims=frozenset({128, 192}), dense=False, sparse=True,
                      required_modules=("flashinfer",)),
         adapter="mla_tune.backends.flashinfer_blackwell:TrtllmGenSparseMLA",
