@@ -65,11 +65,16 @@ def render(choice, fmt: str) -> None:
     elif fmt in ("vllm", "sglang"):
         engine_name = info.vllm_name if fmt == "vllm" else info.sglang_name
         engine = "vLLM" if fmt == "vllm" else "SGLang"
-        if engine_name:
+        if choice.source != "tuned":
+            # Forcing the static choice gains nothing and can break: with --attention-backend vLLM has no
+            # fallback, and it knows better than we do which kernels its own environment has.
+            click.echo(f"mla-tune: nothing tuned for this key ({choice.why}); printing no flag, so {engine} "
+                       f"makes its own choice (vLLM's static priority gives {choice.backend})", err=True)
+        elif engine_name:
             click.echo(f"--attention-backend {engine_name}")
         else:
-            click.echo(f"mla-tune: {choice.backend} ({choice.source}) has no {engine} equivalent; printing no "
-                       f"flag, so {engine} keeps its own choice", err=True)
+            click.echo(f"mla-tune: the tuned backend {choice.backend} has no {engine} equivalent; printing no "
+                       f"flag, so {engine} makes its own choice", err=True)
     elif fmt == "env":
         values = {"MLA_TUNE_BACKEND": choice.backend, "MLA_TUNE_SOURCE": choice.source,
                   "MLA_TUNE_VLLM_BACKEND": info.vllm_name or "",

@@ -2,7 +2,10 @@
 
 `lookup` returns the stored (tuned) decision for this GPU's SKU and key when
 one was measured with compatible software, else vLLM's static choice, and
-says which and why. It never imports torch, triton or flashinfer, never
+says which and why. The static choice is the one vLLM makes on this GPU
+with its kernels installed: the packages of the process calling `lookup`
+(an init container, a CLI environment) are not the engine's, so they are not
+checked. It never imports torch, triton or flashinfer, never
 writes or migrates the store, never raises because of the store, and is
 memoised per process.
 """
@@ -15,7 +18,8 @@ import types
 from dataclasses import dataclass, field
 
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
-from mla_tune.backends.priority import static_choice, static_priority
+from mla_tune.backends.common_cases import static_choice_assuming_installed
+from mla_tune.backends.priority import static_priority
 from mla_tune.backends.problem import DeviceSpec, Geometry, Problem, parse_compute_capability
 from mla_tune.backends.registry import BACKENDS, backend_reasons, candidates
 
@@ -276,7 +280,9 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
     info = _probe_local() if device is None else device_from(device)
     spec = info.spec
     key = DecisionKey.of(info.sku, info.compute_capability, problem)
-    vllm_choice, skipped = static_choice(problem, spec, kv_cache_spelling=kv_cache_dtype)
+    # vLLM's choice on this GPU as vLLM itself would make it: the packages of *this* process (an init
+    # container, a CLI venv) say nothing about the engine's, so they are not checked here.
+    vllm_choice, skipped = static_choice_assuming_installed(problem, spec, kv_cache_spelling=kv_cache_dtype)
 
     decisions, warning = _stored_decisions(db, key, info)
     if warning:
@@ -311,7 +317,7 @@ def _fallback_choice(winner, skipped, problem, spec, key, why, kv_spelling, *, w
     for name in candidates():
         if name == winner:
             continue
-        found = skipped.get(name) or backend_reasons(name, problem, spec)
+        found = skipped.get(name) or backend_reasons(name, problem, spec, check_packages=False)
         if found:
             reasons[name] = tuple(found)
         elif name in order:
