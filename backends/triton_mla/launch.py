@@ -122,8 +122,10 @@ class Workspace:
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
            sm_scale: float, kv_scale, topk_indices: torch.Tensor | None,
-           params: LaunchParams, workspace: Workspace | None) -> None:
+           params: LaunchParams, workspace: Workspace | None):
     """Enqueue stage 1 (and the combine when `params.num_splits > 1`); no allocation, no sync.
+
+    Returns the compiled stage-1 kernel (its `n_regs`, `n_spills`, `metadata`).
 
     Args:
         q: `[batch, q_len, heads, 576]`, last dim contiguous.
@@ -154,7 +156,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
 
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
-    _mla_split_kernel[(m_blocks, batch, splits)](
+    compiled = _mla_split_kernel[(m_blocks, batch, splits)](
         q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
         o_dst, l_dst,
         sm_scale * LOG2E, scale_value,
@@ -181,3 +183,4 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
             num_warps=4,
         )
+    return compiled

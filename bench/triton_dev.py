@@ -1,0 +1,330 @@
+"""GPU development benchmark of the Triton MLA kernel: check, sweep launch parameters, compare.
+
+Every variant is checked against `mla_reference` on the same random inputs
+before it is timed. Timing: CUDA graph of `copies` back-to-back launches that
+rotate through copies of q and the KV cache (cold L2: the copies together
+exceed the L2 many times over), median of the replays, per launch.
+The roofline uses the copy bandwidth and bf16 matmul rate measured in the
+same process.
+
+    python bench/triton_dev.py sweep --out results.txt
+    python bench/triton_dev.py grid --flashinfer --out results.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from mla_tune.backends.inputs import make_inputs
+from mla_tune.backends.problem import Problem, Shape
+from mla_tune.backends.reference import mla_reference
+from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
+from mla_tune.backends.triton_mla.launch import LaunchParams, default_params, launch
+
+COLD_BYTES = 400 * 2**20
+T0 = time.time()
+
+
+RESULT_FILE = None
+
+
+def log(*args):
+    print(*args, flush=True)
+    if RESULT_FILE is not None:
+        with open(RESULT_FILE, "a") as f:
+            print(*args, file=f)
+
+
+def time_graph(run, input_sets, *, replays: int = 12) -> tuple[float, float, float]:
+    """(median, min, max) microseconds per launch, from CUDA-graph replays."""
+    for s in input_sets:
+        run(s)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for s in input_sets:
+            run(s)
+    torch.cuda.synchronize()
+    graph.replay()
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) * 1e3 / len(input_sets))
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def measure_machine() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = [2 * src.numel() / (t * 1e-6) for t, *_ in [time_graph(lambda _: dst.copy_(src), [0] * 4)]]
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    t, *_ = time_graph(lambda _: torch.mm(a, b, out=c), [0] * 4)
+    del src, dst
+    return bw[0], 2 * 8192**3 / (t * 1e-6)
+
+
+def rel_err(out, ref) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+class Case:
+    """One problem + shape with its input copies and float32 reference."""
+
+    def __init__(self, problem: Problem, shape: Shape):
+        self.problem, self.shape = problem, shape
+        base = make_inputs(problem, shape, device="cuda", seed=1)
+        set_bytes = base.q.numel() * base.q.element_size() + base.kv_cache.numel() * base.kv_cache.element_size()
+        copies = max(2, min(64, math.ceil(COLD_BYTES / set_bytes)))
+        self.sets = [base] + [base.with_data(base.q.clone(), base.kv_cache.clone()) for _ in range(copies - 1)]
+        self.ref, _ = mla_reference(base.q, base.kv_cache, base.block_table, base.seq_lens,
+                                    sm_scale=base.sm_scale, kv_scale=base.kv_scale,
+                                    topk_indices=base.topk_indices)
+        lens = base.seq_lens.long()
+        if problem.sparse:
+            tokens = int((base.topk_indices >= 0).sum())
+            self.kv_bytes = tokens * 576 * base.kv_cache.element_size()
+            self.flops = 2 * tokens * problem.num_heads * 1088
+        else:
+            tokens = int(lens.sum())
+            self.kv_bytes = tokens * 576 * base.kv_cache.element_size()
+            self.flops = 2 * tokens * problem.num_heads * problem.q_len * 1088
+        self.max_items = problem.topk if problem.sparse else int(lens.max())
+
+    def roofline_us(self, bw: float, mm: float) -> float:
+        return max(self.kv_bytes / bw, self.flops / mm) * 1e6
+
+    def label(self) -> str:
+        p = self.problem
+        kind = f"topk{p.topk}" if p.sparse else "dense"
+        return f"{p.kv_cache_dtype:8s} {kind:9s} h{p.num_heads:<3d} q{p.q_len} b{self.shape.batch_size:<3d} kv{self.shape.kv_len:<5d}"
+
+    def free(self):
+        self.sets.clear()
+        self.ref = None
+
+
+def check_and_time(case: Case, adapter) -> dict:
+    tol = 2e-2 if case.problem.kv_cache_dtype == "fp8_e4m3" else 1e-2
+    try:
+        prepared = adapter.prepare(case.problem, case.sets[0])
+        out, _ = prepared.run(case.sets[0])
+        torch.cuda.synchronize()
+        err = rel_err(out, case.ref)
+        if not err < tol:
+            return {"status": "incorrect", "err": err}
+        info = ""
+        if hasattr(prepared, "workspace"):
+            s0 = case.sets[0]
+            k = launch(s0.q, s0.kv_cache, s0.block_table, s0.seq_lens, prepared.out, prepared.lse,
+                       sm_scale=s0.sm_scale, kv_scale=s0.kv_scale, topk_indices=s0.topk_indices,
+                       params=prepared.params, workspace=prepared.workspace)
+            if hasattr(k, "n_regs"):
+                info = f" regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared // 1024}K"
+        med, lo, hi = time_graph(prepared.run, case.sets)
+        return {"status": "ok", "err": err, "us": med, "lo": lo, "hi": hi,
+                "params": getattr(prepared, "params", None), "info": info}
+    except Exception as exc:  # a failure is data
+        return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+# rows bucket (q_len x heads, rounded up) -> candidate (block_h, block_n, num_warps, num_stages), prior first
+BUCKET_CONFIGS = {
+    16: [(16, 64, 4, 2), (16, 32, 4, 2), (64, 32, 8, 2)],
+    32: [(32, 64, 4, 2), (32, 32, 4, 2)],
+    64: [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3)],
+    128: [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3)],
+}
+
+
+def bucket(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+
+
+def sweep(args, bw, mm):
+    """Time each bucket's candidates at batch 64, kv_len 4096; return {(dtype, bucket): best}."""
+    best = {}
+    for heads in (64, 16, 128, 32):
+        for kv_dtype in ("bf16", "fp8_e4m3"):
+            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(64, 4096))
+            roof = case.roofline_us(bw, mm)
+            timed = []
+            for cfg in BUCKET_CONFIGS[bucket(heads)]:
+                if time.time() - T0 > args.budget_s:
+                    log("# sweep budget reached")
+                    break
+                params = default_params_like(cfg, heads=heads, batch=64, max_items=case.max_items)
+                r = check_and_time(case, TritonMLA(params))
+                log("sweep " + fmt_line(case, params.label(), r, roof))
+                if r["status"] == "ok":
+                    timed.append((r["us"], cfg))
+            if timed:
+                best[(kv_dtype, bucket(heads))] = min(timed)[1]
+            case.free()
+    log(f"# sweep winners: {best}")
+    return best
+
+
+def default_params_like(cfg, *, heads, batch, max_items):
+    from mla_tune.backends.triton_mla.launch import choose_splits
+    bh, bn, nw, ns = cfg
+    m_blocks = math.ceil(heads / bh)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=sms,
+                           min_split_tokens=256 if bh < 64 else 512)
+    return LaunchParams(bh, bn, nw, ns, splits)
+
+
+def fmt_line(case, name, r, roof, tag=""):
+    if r["status"] != "ok":
+        return f"{case.label()} {name:22s} {r['status']:9s} {r.get('err', r.get('why', ''))} {tag}"
+    return (f"{case.label()} {name:22s} {r['us']:9.1f} us [{r['lo']:.1f}-{r['hi']:.1f}] "
+            f"roof {roof:8.1f} ({100 * roof / r['us']:5.1f}%) err {r['err']:.1e}{r.get('info', '')} {tag}")
+
+
+def grid(args, bw, mm, table=None):
+    """The issue-4 grid: heads x batch x kv_len, both dtypes, Triton vs FlashInfer.
+
+    `table` maps (dtype, rows bucket) to the sweep's tile config; splits always
+    come from the heuristic. Without a table the shipped default is used.
+    """
+    heads_list = [int(x) for x in args.heads.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    lens = [int(x) for x in args.kv_lens.split(",")]
+    rows, summary = [], []
+    order = sorted(itertools.product(lens, batches, heads_list, args.dtypes.split(",")),
+                   key=lambda t: ({4096: 0, 16384: 1, 1024: 2}.get(t[0], 3), {64: 0, 16: 1, 128: 2, 4: 3}.get(t[1], 4)))
+    for kv_len, batch, heads, kv_dtype in order:
+        if time.time() - T0 > args.grid_budget_s:
+            log("# grid budget reached")
+            break
+        if True:
+            adapters = {"triton": TritonMLA()}
+            if table and (kv_dtype, bucket(heads)) in table:
+                cfg = table[(kv_dtype, bucket(heads))]
+                adapters["triton"] = TritonMLA(default_params_like(cfg, heads=heads, batch=batch,
+                                                                   max_items=kv_len))
+            if args.flashinfer:
+                from mla_tune.backends.flashinfer_mla import FlashInferFA2, FlashInferFA3
+                adapters["fa3"] = FlashInferFA3()
+                if kv_dtype == "fp8_e4m3" or args.fa2_bf16:
+                    adapters["fa2"] = FlashInferFA2()
+            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(batch, kv_len))
+            roof = case.roofline_us(bw, mm)
+            res = {name: check_and_time(case, a) for name, a in adapters.items()}
+            for name, r in res.items():
+                label = name if name != "triton" or r.get("params") is None else f"triton {r['params'].label()}"
+                line = fmt_line(case, label, r, roof)
+                log(line)
+                rows.append(line)
+            summary.append((kv_dtype, heads, batch, kv_len, roof, {n: r.get("us") for n, r in res.items()}))
+            case.free()
+    rows += summarize(summary)
+    return rows
+
+
+def sparse_bench(args, bw, mm):
+    adapters = {"triton": TritonMLASparse()}
+    if args.flashinfer:
+        from mla_tune.backends.flashinfer_mla import FlashInferFA2Sparse, FlashInferFA3Sparse
+        adapters.update(fa2=FlashInferFA2Sparse(), fa3=FlashInferFA3Sparse())
+    rows = []
+    for kv_dtype in args.dtypes.split(","):
+        for heads, batch in itertools.product((16, 64, 128, 32), (64, 4)):
+            if time.time() - T0 > args.sparse_budget_s:
+                log("# sparse budget reached")
+                return rows
+            case = Case(Problem(heads, kv_dtype, page_size=64, topk=2048), Shape(batch, 8192))
+            roof = case.roofline_us(bw, mm)
+            for name, a in adapters.items():
+                r = check_and_time(case, a)
+                label = name if r.get("params") is None else f"triton {r['params'].label()}"
+                line = fmt_line(case, label, r, roof)
+                log(line)
+                rows.append(line)
+            case.free()
+    return rows
+
+
+def summarize(summary):
+    out = ["", "summary (geometric means of time ratios; >1 means Triton is faster)"]
+    for kv_dtype in sorted({s[0] for s in summary}):
+        sel = [s for s in summary if s[0] == kv_dtype and s[5].get("triton")]
+        if not sel:
+            continue
+        def gm(xs):
+            xs = [x for x in xs if x]
+            return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+        roof_frac = gm([s[4] / s[5]["triton"] for s in sel])
+        out.append(f"{kv_dtype}: triton at {100 * roof_frac:.1f}% of roofline (geomean over {len(sel)} shapes)")
+        big = [s for s in sel if s[2] >= 64 and s[3] >= 4096 and s[1] <= 64]
+        if big:
+            out.append(f"{kv_dtype}: roofline fraction at batch>=64, kv>=4096, heads<=64: "
+                       + ", ".join(f"h{s[1]}b{s[2]}kv{s[3]} {100 * s[4] / s[5]['triton']:.0f}%" for s in big))
+        if all(s[5].get("fa3") for s in sel):
+            out.append(f"{kv_dtype}: FA3 / triton = {gm([s[5]['fa3'] / s[5]['triton'] for s in sel]):.2f}")
+            best = [min(s[5].get("fa2") or 1e30, s[5]["fa3"] or 1e30) / s[5]["triton"] for s in sel]
+            out.append(f"{kv_dtype}: min(FA2, FA3) / triton = {gm(best):.2f}")
+            b2 = [min(s[5].get("fa2") or 1e30, s[5]["fa3"]) / s[5]["triton"] for s in sel if s[2] >= 64 and s[3] >= 4096]
+            if b2:
+                out.append(f"{kv_dtype}: min(FA2, FA3) / triton at batch>=64, kv>=4096 = {gm(b2):.2f}")
+            losses = [s for s in sel if s[5]["triton"] > min(s[5].get("fa2") or 1e30, s[5]["fa3"])]
+            out.append(f"{kv_dtype}: triton loses to FlashInfer on {len(losses)} of {len(sel)} shapes: "
+                       + ", ".join(f"h{s[1]}b{s[2]}kv{s[3]}" for s in losses))
+    for line in out:
+        log(line)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all"])
+    ap.add_argument("--flashinfer", action="store_true")
+    ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
+    ap.add_argument("--heads", default="16,32,64,128")
+    ap.add_argument("--batches", default="1,4,16,64,128")
+    ap.add_argument("--kv-lens", default="1024,4096,16384")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop the sweep after this many seconds")
+    ap.add_argument("--grid-budget-s", type=float, default=1e9, help="stop the grid after this many seconds")
+    ap.add_argument("--sparse-budget-s", type=float, default=1e9, help="stop the sparse runs after this")
+    ap.add_argument("--fa2-bf16", action="store_true", help="also time FA2 with bf16 KV")
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name(0)
+    import triton
+    bw, mm = measure_machine()
+    head = [f"# {name}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s, "
+            f"command: python bench/triton_dev.py {' '.join(sys.argv[1:])}"]
+    global RESULT_FILE
+    RESULT_FILE = args.out
+    log(head[0])
+    table = None
+    if args.mode in ("sweep", "all"):
+        table = sweep(args, bw, mm)
+    if args.mode in ("grid", "all"):
+        grid(args, bw, mm, table)
+    if args.mode in ("sparse", "all"):
+        sparse_bench(args, bw, mm)
+    log(f"# done in {time.time() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
