@@ -46,6 +46,14 @@ def check_known(revision: str | None, where: str) -> None:
 
 def migrate(engine: Engine, where: str, *, target: str = "head", downgrade: bool = False) -> None:
     """Upgrade (or with `downgrade`, downgrade) the database to `target` in one transaction."""
+    if target == "head" and not downgrade:
+        # Usually there is nothing to do: find out without taking the write lock, so that
+        # opening a store that another process is writing does not wait on it.
+        with engine.connect() as connection:
+            revision = current_revision(connection)
+        check_known(revision, where)
+        if revision == HEAD_REVISION:
+            return
     from alembic import command
 
     with engine.execution_options(sqlite_begin="IMMEDIATE").begin() as connection:

@@ -49,7 +49,7 @@ def check_sqlite_file(path: str, *, must_exist: bool) -> bool:
         with open(path, "rb") as f:
             header = f.read(100)
             size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (or a file in the way of a folder)
         if must_exist:
             raise StoreError(f"no database at {path} (nothing has been tuned or stored there yet)") from None
         return False
