@@ -87,3 +87,31 @@ def fleet(heads=(16, 32, 64, 128)) -> tuple[list[Decision], list[Measurement]]:
         decisions.append(decision(k, ms))
         all_ms += ms
     return decisions, all_ms
+
+
+def device(uuid: str = "GPU-aaaa", name: str = "NVIDIA H200"):
+    from mla_tune.backends.device import DeviceInfo
+
+    return DeviceInfo(name=name, compute_capability=(9, 0), uuid=uuid, memory_total_mib=144384,
+                      driver_version="580.95", cuda_driver_version="13.0", max_sm_clock_mhz=1980,
+                      power_limit_w=700.0, pci_device_id="0x233510DE")
+
+
+def populate(store, *, node: str = "node-a", gpus=("GPU-aaaa",), heads=(16, 64), scale=None,
+             started_at: str = "2026-11-22T01:00:00+00:00") -> list[Decision]:
+    """Write a real tune's worth of records for `gpus` of one node through the Store API."""
+    decisions = []
+    run_ids = {}
+    for gpu in gpus:
+        run_ids[gpu] = store.start_run(device=device(gpu), fingerprint=FINGERPRINT, preset="quick", node=node)
+    for h in heads:
+        k = key(h)
+        ms = measurements(k, gpus=gpus, scale=scale)
+        for m in ms:
+            store.add_measurement(run_ids[m.gpu_uuid], m)
+        d = decision(k, ms)
+        store.save_decision(d, node=node)
+        decisions.append(d)
+    for run_id in run_ids.values():
+        store.finish_run(run_id)
+    return decisions

@@ -1,0 +1,234 @@
+"""Apply validated export files to a store: all or nothing, idempotent, decisions merged across nodes.
+
+`import_files` validates every file first (nothing is written when any file
+is rejected), then plans against what the store holds and writes the plan in
+one transaction. With `check=True` it only plans and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from sqlalchemy import select
+
+from mla_tune.store import codec, provenance
+from mla_tune.store.exchange import MAX_IMPORT_BYTES, Incoming, decode, read_export
+from mla_tune.store.models import DeviceRow, FingerprintRow, MeasurementRow, RunRow
+from mla_tune.store.records import Decision, DecisionKey, Measurement
+
+DISAGREEMENT_FLOOR = 0.02   # never report node differences below 2% (clock and thermal drift)
+
+
+@dataclass
+class ImportReport:
+    """What an import did (or, with `check`, would do)."""
+
+    files: list[str]
+    producers: list[str]
+    check: bool = False
+    devices: int = 0
+    fingerprints: int = 0
+    runs_added: int = 0
+    measurements_added: int = 0
+    measurements_present: int = 0
+    decisions_saved: int = 0
+    decisions_unchanged: int = 0
+    rebuilt: list[str] = field(default_factory=list)
+    disagreements: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        verb = "would add" if self.check else "added"
+        out = [f"{'checked' if self.check else 'imported'} {len(self.files)} file(s) from "
+               f"{'; '.join(self.producers) or 'unknown producers'}",
+               f"{verb} {self.runs_added} run(s), {self.measurements_added} measurement(s) "
+               f"({self.measurements_present} already stored), "
+               f"{'would save' if self.check else 'saved'} {self.decisions_saved} decision(s) "
+               f"({self.decisions_unchanged} unchanged)"]
+        out += [f"rebuilt from several nodes: {line}" for line in self.rebuilt]
+        out += [f"disagreement: {line}" for line in self.disagreements]
+        out += [f"note: {line}" for line in self.notes]
+        return out
+
+
+def _identity(m: Measurement, digest: str) -> str:
+    return json.dumps([codec.measurement_values(m), digest], sort_keys=True, default=str)
+
+
+def _decision_identity(d: Decision, node: str) -> str:
+    return json.dumps([codec.decision_values(d), node], sort_keys=True, default=str)
+
+
+MERGED_PREFIX = "merged from "
+
+
+def _disagreements(key: DecisionKey, evidence: list[tuple[Measurement, str]], decision: Decision,
+                   node_winners: dict[str, str]) -> list[str]:
+    """One line when the nodes' times depart from each other beyond the noise margin, and one per
+    node whose own decision named another winner than the merged evidence."""
+    tolerance = max(decision.noise_margin, DISAGREEMENT_FLOOR)
+    times: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for m, node in evidence:
+        if m.status == "ok" and m.median_ms:
+            times[(m.backend, m.batch_size, m.kv_len)][node].append(m.median_ms)
+    logs: dict[str, list[float]] = defaultdict(list)
+    for per_node in times.values():
+        if len(per_node) < 2:
+            continue
+        node_median = {n: statistics.median(v) for n, v in per_node.items()}
+        center = statistics.median(node_median.values())
+        for n, t in node_median.items():
+            logs[n].append(math.log(t / center))
+    lines = []
+    if len(logs) >= 2:
+        ratio = {n: math.exp(sum(v) / len(v)) for n, v in logs.items()}
+        spread = max(ratio.values()) / min(ratio.values()) - 1.0
+        if spread > tolerance:
+            each = ", ".join(f"{n or 'unknown'} {r:.3f}x" for n, r in sorted(ratio.items(), key=lambda x: -x[1]))
+            lines.append(f"{key.sku}, {key.label}: node times differ by {spread:.1%}, beyond the noise margin "
+                         f"{tolerance:.1%} (each node against the median of the nodes: {each}; "
+                         f"{max(len(v) for v in logs.values())} backend-shape points)")
+    for n, winner in sorted(node_winners.items()):
+        if winner != decision.winner:
+            lines.append(f"{key.sku}, {key.label}: node {n or 'unknown'} chose {winner}; "
+                         f"the merged evidence chooses {decision.winner}")
+    return lines
+
+
+def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | None) -> dict:
+    """Work out what to write: new runs and measurements, and the decision of every touched key."""
+    present = {_identity(ev.measurement, ev.fingerprint_digest) for ev in provenance.evidence(store)}
+    stored_runs = {provenance.run_key(node=r["node"], gpu_uuid=r["gpu_uuid"], fingerprint_digest=r["fingerprint"],
+                                      sku=r["sku"], started_at=r["started_at"]) for r in provenance.runs(store)}
+    new_runs = [k for k in incoming.runs if k not in stored_runs]
+    new_measurements, seen = [], set()
+    for m, run, digest, node in incoming.measurements:
+        ident = _identity(m, digest)
+        if ident in present or ident in seen:
+            report.measurements_present += ident in present
+            continue
+        seen.add(ident)
+        new_measurements.append((m, run, digest, node))
+    report.runs_added, report.measurements_added = len(new_runs), len(new_measurements)
+
+    # Every (key, fingerprint) the import touches, with all its evidence and decisions.
+    groups: set[tuple[DecisionKey, str]] = {(d.key, d.fingerprint.digest) for d, _ in incoming.decisions}
+    groups |= {(m.key, digest) for m, _, digest, _ in new_measurements if digest}
+    evidence: dict[tuple, list[tuple[Measurement, str]]] = defaultdict(list)
+    for ev in provenance.evidence(store):
+        if (ev.measurement.key, ev.fingerprint_digest) in groups:
+            evidence[(ev.measurement.key, ev.fingerprint_digest)].append((ev.measurement, ev.node))
+    for m, _, digest, node in new_measurements:
+        evidence[(m.key, digest)].append((m, node))
+    stored_nodes = provenance.decision_nodes(store)
+    candidates: dict[tuple, list[tuple[Decision, str]]] = defaultdict(list)
+    for group in groups:
+        stored = store.decision(group[0], fingerprint=group[1])
+        if stored is not None:
+            candidates[group].append((stored, stored_nodes.get(group, "")))
+    for d, node in incoming.decisions:
+        candidates[(d.key, d.fingerprint.digest)].append((d, node))
+
+    to_save: list[tuple[Decision, str]] = []
+    for group in sorted(groups, key=lambda g: (json.dumps(g[0].to_dict(), sort_keys=True), g[1])):
+        key, digest = group
+        decisions = candidates.get(group, [])
+        plain = [(d, n) for d, n in decisions if not n.startswith(MERGED_PREFIX)]
+        nodes = {n for _, n in evidence.get(group, [])} or {n for _, n in plain}
+        if not decisions:
+            continue  # measurements without any decision: stored as evidence only
+        newest = max(decisions, key=lambda dn: (dn[0].decided_at, dn[1]))
+        chosen = newest
+        if len(nodes) >= 2 and evidence.get(group):
+            node_winners = {n: d.winner for d, n in plain if n}
+            if decide is None:
+                report.notes.append(f"{key.sku}, {key.label}: measured on {len(nodes)} nodes but no decision "
+                                    f"rule was given; kept the newest decision ({newest[1] or 'unknown node'})")
+            else:
+                try:
+                    merged = decide(key, [m for m, _ in evidence[group]], static_choice=newest[0].static_choice,
+                                    fingerprint=newest[0].fingerprint, decided_at=newest[0].decided_at,
+                                    extra_failures=None)
+                except ValueError as exc:
+                    report.notes.append(f"{key.sku}, {key.label}: not rebuilt ({exc}); kept the newest decision")
+                else:
+                    anomalies = tuple(sorted({a for d, _ in decisions for a in d.anomalies}))
+                    merged = replace(merged, anomalies=anomalies)
+                    label = f"{MERGED_PREFIX}{len(nodes)} nodes: " + ", ".join(sorted(n or "?" for n in nodes))
+                    chosen = (merged, label[:255])
+                    report.rebuilt.append(f"{key.sku}, {key.label}: {merged.winner} "
+                                          f"({len(nodes)} nodes, {len(merged.gpu_uuids)} GPUs)")
+                    report.disagreements += _disagreements(key, evidence[group], merged, node_winners)
+        stored = [dn for dn in decisions if dn not in incoming.decisions]
+        if any(_decision_identity(*dn) == _decision_identity(*chosen) for dn in stored):
+            report.decisions_unchanged += 1
+        else:
+            to_save.append(chosen)
+    report.decisions_saved = len(to_save)
+    report.devices, report.fingerprints = len(incoming.devices), len(incoming.fingerprints)
+    return {"runs": [(k, incoming.runs[k]) for k in new_runs], "measurements": new_measurements,
+            "decisions": to_save}
+
+
+def apply(store, incoming: Incoming, todo: dict) -> None:
+    """Write a plan inside the caller's transaction (`store.batch()`)."""
+    for info in sorted(incoming.devices.values(), key=lambda d: d.uuid):
+        store.record_device(info)
+    for fp in incoming.fingerprints.values():
+        store.record_fingerprint(fp)
+    with store._write() as session:
+        fp_ids = dict(session.execute(select(FingerprintRow.digest, FingerprintRow.id)).tuples().all())
+        device_ids = dict(session.execute(select(DeviceRow.uuid, DeviceRow.id)).tuples().all())
+        for key, run in todo["runs"]:
+            session.add(RunRow(device_id=device_ids.get(run["gpu_uuid"]), fingerprint_id=fp_ids[run["fingerprint"]],
+                               sku=run["sku"], preset=run["preset"], node=run["node"], status=run["status"],
+                               started_at=run["started_at"], finished_at=run["finished_at"]))
+        session.flush()
+        run_ids = {}
+        stmt = (select(RunRow.id, RunRow.node, DeviceRow.uuid, FingerprintRow.digest, RunRow.sku, RunRow.started_at)
+                .outerjoin(DeviceRow, DeviceRow.id == RunRow.device_id)
+                .join(FingerprintRow, FingerprintRow.id == RunRow.fingerprint_id))
+        for run_id, node, uuid, digest, sku, started in session.execute(stmt).tuples():
+            run_ids[provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest,
+                                       sku=sku, started_at=started)] = run_id
+        for m, run, digest, _ in todo["measurements"]:
+            session.add(MeasurementRow(run_id=run_ids.get(run) if run else None,
+                                       fingerprint_id=fp_ids.get(digest) if digest else None,
+                                       **codec.measurement_values(m)))
+        session.flush()
+    for decision, node in todo["decisions"]:
+        store.save_decision(decision, node=node)
+
+
+def import_files(store, paths: Iterable, *, check: bool = False, decide: Callable | None = None,
+                 max_bytes: int = MAX_IMPORT_BYTES) -> ImportReport:
+    """Validate every file, then apply them all in one transaction (or, with `check`, only report).
+
+    Args:
+        store: an open `Store`.
+        paths: export files.
+        check: validate and report what would change; write nothing.
+        decide: the decision rule (`mla_tune.tuner.decide.decide`) used to rebuild
+            decisions measured on several nodes; None keeps the newest decision.
+        max_bytes: size limit per file.
+
+    Raises:
+        ExchangeError: a file was rejected (nothing was written).
+        StoreError: the store failed (the transaction was rolled back).
+    """
+    paths = [str(p) for p in paths]
+    documents = [read_export(p, max_bytes=max_bytes) for p in paths]
+    incoming = decode(documents)
+    report = ImportReport(files=paths, producers=incoming.producers, check=check)
+    if check:
+        plan(store, incoming, report, decide=decide)
+        return report
+    with store.batch():
+        todo = plan(store, incoming, report, decide=decide)
+        apply(store, incoming, todo)
+    return report
