@@ -22,6 +22,9 @@ COMMANDS = [
     ("mla_tune.cli.show", "show"),
     ("mla_tune.cli.db", "db"),
     ("mla_tune.cli.tune", "tune"),
+    ("mla_tune.cli.fleet", "export_cmd"),
+    ("mla_tune.cli.fleet", "import_cmd"),
+    ("mla_tune.cli.fleet", "report_cmd"),
 ]
 
 

@@ -27,8 +27,10 @@ DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--fleet", is_flag=True, help="Per SKU and key: nodes and GPUs behind each decision, their spread, "
+              "and GPUs markedly slower than their SKU's median.")
 @click.pass_context
-def show(ctx, as_json: bool) -> None:
+def show(ctx, as_json: bool, fleet: bool) -> None:
     """Print every stored decision: key, winner, margin over the runner-up, vLLM's static choice, anomalies.
 
     Exits with status 1 and one line when the store cannot be opened.
@@ -41,6 +43,10 @@ def show(ctx, as_json: bool) -> None:
 
     try:
         with Store.open(db_url(ctx), create=False) as store:
+            if fleet:
+                from mla_tune.cli.fleet import show_fleet
+
+                return show_fleet(store, as_json=as_json)
             decisions = store.decisions()
             where = store.where
     except StoreError as exc:
