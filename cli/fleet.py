@@ -58,16 +58,17 @@ def import_cmd(ctx, files: tuple[str, ...], check: bool, max_bytes: int | None) 
     Example: mla-tune --db postgresql+psycopg://mla@db/mla import node*.json --check
     """
     from mla_tune.store.engine import StoreError
-    from mla_tune.store.exchange import MAX_IMPORT_BYTES, ExchangeError
-    from mla_tune.store.importer import import_files
+    from mla_tune.store.exchange import MAX_IMPORT_BYTES, ExchangeError, read_export
+    from mla_tune.store.importer import import_documents
     from mla_tune.tuner.decide import decide
 
-    try:
-        with _open(ctx, create=not check) as store:
-            report = import_files(store, files, check=check, decide=decide,
-                                  max_bytes=max_bytes or MAX_IMPORT_BYTES)
+    try:  # every file is validated before the store is even opened
+        documents = [read_export(path, max_bytes=max_bytes or MAX_IMPORT_BYTES) for path in files]
     except ExchangeError as exc:
         raise fail(str(exc), exit_code=2) from None
+    try:
+        with _open(ctx, create=not check) as store:
+            report = import_documents(store, documents, files=list(files), check=check, decide=decide)
     except StoreError as exc:
         raise fail(str(exc)) from None
     for line in report.lines():
