@@ -174,7 +174,8 @@ class _SkuTune:
 
     def _gpu_loop(self, device: DeviceInfo) -> None:
         opts = self.options
-        cuda_visible = (device.uuid or str(device.index)) if opts.worker_device == "cuda" else None
+        # The worker sees only its GPU; by UUID, so a parent CUDA_VISIBLE_DEVICES cannot renumber it.
+        cuda_visible = device.uuid or str(device.index)
         worker = Worker(cuda_visible=cuda_visible, device=opts.worker_device,
                         gpu=(device.uuid or str(device.index)) if opts.worker_device == "cuda" else None,
                         bench=opts.bench, timeouts_s=dict(opts.timeouts_s or {}))
@@ -299,11 +300,10 @@ class _SkuTune:
                     by_point[(m.key, m.backend, m.batch_size, m.kv_len)][m.gpu_uuid] = m.median_ms
         logs: dict[str, list[float]] = defaultdict(list)
         for times in by_point.values():
-            if len(times) < 2:
-                continue
-            mid = statistics.median(times.values())
             for uuid, ms in times.items():
-                logs[uuid].append(math.log(ms / mid))
+                others = [t for u, t in times.items() if u != uuid]
+                if others:
+                    logs[uuid].append(math.log(ms / statistics.median(others)))
         for device in self.devices:
             if logs.get(device.uuid):
                 ratio = math.exp(statistics.mean(logs[device.uuid]))

@@ -3,7 +3,10 @@
 They go through the real worker, gate and store code; only the GPU timing is
 replaced, by `fake_bench` (the `time_interleaved` signature), whose times come
 from the `MLA_TUNE_FAKE_MS` environment variable (JSON: backend -> ms, or
-backend -> {"BxL": ms}) so that a test sets them before workers spawn.
+backend -> {"<batch>": ms, "default": ms}) so that a test sets them before
+workers spawn. The worker bound (through `CUDA_VISIBLE_DEVICES`) to the GPU
+named by `MLA_TUNE_FAKE_SLOW_GPU` reports 1.5x those times;
+`MLA_TUNE_FAKE_DELAY_S` makes every shape take that long.
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ def fake_bench(steps, *, rel_ci_target=0.01, max_seconds=1.0, **_):
         if isinstance(entry, dict):
             entry = entry.get(str(batch), entry.get("default", 1.0))
         ms = float(entry)
+        if os.environ.get("CUDA_VISIBLE_DEVICES") == os.environ.get("MLA_TUNE_FAKE_SLOW_GPU", "-"):
+            ms *= 1.5
         result[name] = FakeTiming(ms, ms * 0.998, ms * 1.002, 20)
     if delay:
         time.sleep(delay)

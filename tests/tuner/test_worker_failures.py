@@ -1,0 +1,36 @@
+"""Real spawned workers running fake CPU backends that abort, segfault, hang, raise and lie."""
+
+from __future__ import annotations
+
+import json
+
+from fake_mla_backends import ADAPTERS
+
+from mla_tune.backends.problem import Problem, Shape
+from mla_tune.tuner.measure import ShapeTask
+from mla_tune.tuner.worker import Worker
+
+BENCH = "fake_mla_backends:fake_bench"
+
+
+def test_crashes_hangs_and_lies_are_recorded_and_the_good_backends_are_still_timed(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLA_TUNE_FAKE_MS", json.dumps({"FAKE_GOOD": 1.5, "FAKE_OTHER": 2.5}))
+    names = ("FAKE_ABORT", "FAKE_GOOD", "FAKE_LIAR", "FAKE_SEGFAULT", "FAKE_HANG", "FAKE_RAISE", "FAKE_OTHER")
+    task = ShapeTask(Problem(num_heads=4, kv_cache_dtype="fp8"), Shape(2, 100), names,
+                     adapters=tuple(ADAPTERS.items()))
+    with Worker(device="cpu", bench=BENCH, timeouts_s={"prepare": 2.0}, log_dir=tmp_path) as worker:
+        result = worker.run_shape(task)
+    out = result.outcomes
+    assert set(out) == set(names)
+    assert out["FAKE_ABORT"].status == "failed"
+    assert "SIGABRT" in out["FAKE_ABORT"].reason and "device-side assertion failed" in out["FAKE_ABORT"].reason
+    assert out["FAKE_SEGFAULT"].status == "failed" and "SIGSEGV" in out["FAKE_SEGFAULT"].reason
+    assert out["FAKE_HANG"].status == "timeout" and "no progress for 2 s during prepare" in out["FAKE_HANG"].reason
+    assert out["FAKE_RAISE"].status == "failed"
+    assert "RuntimeError: fake library cannot plan this problem" in out["FAKE_RAISE"].reason
+    assert out["FAKE_LIAR"].status == "incorrect" and out["FAKE_LIAR"].rel_error > 0.05
+    assert "exceeds 0.02 for a fp8_e4m3 KV cache" in out["FAKE_LIAR"].reason
+    assert (out["FAKE_GOOD"].status, out["FAKE_GOOD"].median_ms) == ("ok", 1.5)
+    assert (out["FAKE_OTHER"].status, out["FAKE_OTHER"].median_ms) == ("ok", 2.5)
+    assert out["FAKE_GOOD"].rel_error < 1e-6
+    assert result.restarts == 3                               # abort, segfault, hang: one fresh worker each
