@@ -159,8 +159,9 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     try:
         document = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        hint = " (truncated?)" if exc.pos >= len(text.rstrip()) else ""
-        raise fail(f"is not valid JSON{hint}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        truncated = exc.pos >= len(text.rstrip()) - 1 or exc.msg.startswith("Unterminated")
+        hint = " (truncated?)" if truncated else ""
+        raise fail(f"is not valid JSON{hint}: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:
         raise fail(MAX_DEPTH_ERROR) from None
     except ValueError as exc:

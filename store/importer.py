@@ -182,8 +182,8 @@ def apply(store, incoming: Incoming, todo: dict) -> None:
     for fp in incoming.fingerprints.values():
         store.record_fingerprint(fp)
     with store._write() as session:
-        fp_ids = dict(session.execute(select(FingerprintRow.digest, FingerprintRow.id)).tuples().all())
-        device_ids = dict(session.execute(select(DeviceRow.uuid, DeviceRow.id)).tuples().all())
+        fp_ids = dict(session.execute(select(FingerprintRow.digest, FingerprintRow.id)).all())
+        device_ids = dict(session.execute(select(DeviceRow.uuid, DeviceRow.id)).all())
         for key, run in todo["runs"]:
             session.add(RunRow(device_id=device_ids.get(run["gpu_uuid"]), fingerprint_id=fp_ids[run["fingerprint"]],
                                sku=run["sku"], preset=run["preset"], node=run["node"], status=run["status"],
@@ -193,7 +193,7 @@ def apply(store, incoming: Incoming, todo: dict) -> None:
         stmt = (select(RunRow.id, RunRow.node, DeviceRow.uuid, FingerprintRow.digest, RunRow.sku, RunRow.started_at)
                 .outerjoin(DeviceRow, DeviceRow.id == RunRow.device_id)
                 .join(FingerprintRow, FingerprintRow.id == RunRow.fingerprint_id))
-        for run_id, node, uuid, digest, sku, started in session.execute(stmt).tuples():
+        for run_id, node, uuid, digest, sku, started in session.execute(stmt):
             run_ids[provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest,
                                        sku=sku, started_at=started)] = run_id
         for m, run, digest, _ in todo["measurements"]:
@@ -223,8 +223,14 @@ def import_files(store, paths: Iterable, *, check: bool = False, decide: Callabl
     """
     paths = [str(p) for p in paths]
     documents = [read_export(p, max_bytes=max_bytes) for p in paths]
+    return import_documents(store, documents, files=paths, check=check, decide=decide)
+
+
+def import_documents(store, documents: list[dict], *, files: list[str], check: bool = False,
+                     decide: Callable | None = None) -> ImportReport:
+    """`import_files` for documents already read and validated by `read_export`."""
     incoming = decode(documents)
-    report = ImportReport(files=paths, producers=incoming.producers, check=check)
+    report = ImportReport(files=files, producers=incoming.producers, check=check)
     if check:
         plan(store, incoming, report, decide=decide)
         return report

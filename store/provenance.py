@@ -40,7 +40,7 @@ def runs(store) -> list[dict]:
         return [{"sku": r.sku, "gpu_uuid": uuid or "", "fingerprint": digest, "preset": r.preset,
                  "node": r.node, "status": r.status, "started_at": r.started_at,
                  "finished_at": r.finished_at}
-                for r, uuid, digest in session.execute(stmt).tuples()]
+                for r, uuid, digest in session.execute(stmt)]
 
 
 def evidence(store, *, sku: str | None = None) -> list[Evidence]:
@@ -53,7 +53,7 @@ def evidence(store, *, sku: str | None = None) -> list[Evidence]:
         stmt = stmt.where(MeasurementRow.sku == sku)
     out = []
     with store._reading() as session:
-        for row, run, run_uuid, digest in session.execute(stmt.order_by(MeasurementRow.id)).tuples():
+        for row, run, run_uuid, digest in session.execute(stmt.order_by(MeasurementRow.id)):
             m = codec.measurement_from({c.key: getattr(row, c.key) for c in row.__table__.columns})
             key = None
             if run is not None:
