@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The tuner end to end on one lent GPU: every number issue 5 asks for, in one device call.
+#
+# Run from the repository root on the device machine (carry: [".whl"], timeout_s 600):
+#     bash bench/tuner_e2e.sh
+# Everything lands under $OUT (at most 8 files):
+#     e2e.log            all output, with the printed decision tables
+#     timings.txt        wall seconds of each stage (cold JIT, warm, --quick, main job)
+#     show_first.json    `mla-tune show --json` after the first (cold) default tune
+#     show_second.json   the same after the second (warm) default tune, a separate store
+#     stability.txt      bench/tuner_stability.py on the two (2% / 95% / noise criteria)
+#     show_quick.json    `mla-tune show --json` of the --quick tune
+#
+# Stages (each guarded by `timeout`, together 550 s, so the call fits in 600 s):
+#  1. cold: fresh FlashInfer and Triton caches, `mla-tune tune --budget-s 265` (the default
+#     preset; the budget makes an over-long run stop and say so instead of being killed) into store 1;
+#  2. warm: same caches, the no-argument main job `mla-tune` into store 2 (a separate store, so
+#     nothing is skipped as already tuned): the JIT-warm time and the decision-stability re-run;
+#  3. quick: `mla-tune tune --quick` warm, into store 3;
+#  4. resume: `--quick --budget-s 8` into store 4 (stops early), then `--resume` finishes it.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG=$OUT/e2e.log
+exec > >(tee -a "$LOG") 2>&1
+
+if [ -d .whl ] && ! python3 -c "import flashinfer, sqlalchemy" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
+fi
+export PYTHONPATH=$PWD/.site:${PYTHONPATH:-}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+MLA="python3 -m mla_tune.cli.main"
+python3 -c "import mla_tune.cli.main" || exit 1
+command -v mla-tune >/dev/null && MLA=mla-tune
+
+WORK=$(mktemp -d /tmp/mla-tune-e2e.XXXX)
+export FLASHINFER_WORKSPACE_BASE=$WORK/flashinfer TRITON_CACHE_DIR=$WORK/triton MLA_TUNE_LOCK_DIR=$WORK/locks
+mkdir -p "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
+TIMES=$OUT/timings.txt
+: > "$TIMES"
+
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo; echo "=== $name: $* (limit ${limit} s) ==="
+  local t0 t1 rc
+  t0=$(date +%s%N)
+  timeout --signal=INT --kill-after=10 "$limit" "$@"
+  rc=$?
+  t1=$(date +%s%N)
+  printf '%-32s %6d.%01d s  exit %d\n' "$name" $(( (t1 - t0) / 1000000000 )) $(( (t1 - t0) / 100000000 % 10 )) "$rc" \
+    | tee -a "$TIMES"
+  return 0
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$TIMES"
+python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$TIMES"
+$MLA probe
+
+stage "1 cold default tune" 280 $MLA --db "sqlite:///$WORK/first.db" tune --budget-s 265
+$MLA --db "sqlite:///$WORK/first.db" show --json > "$OUT/show_first.json"
+
+stage "2 warm main job (mla-tune)" 130 $MLA --db "sqlite:///$WORK/second.db"
+$MLA --db "sqlite:///$WORK/second.db" show --json > "$OUT/show_second.json"
+python3 bench/tuner_stability.py "$OUT/show_first.json" "$OUT/show_second.json" | tee "$OUT/stability.txt"
+
+stage "3 warm --quick tune" 60 $MLA --db "sqlite:///$WORK/quick.db" tune --quick
+$MLA --db "sqlite:///$WORK/quick.db" show --json > "$OUT/show_quick.json"
+
+stage "4a --quick --budget-s 8" 30 $MLA --db "sqlite:///$WORK/resume.db" tune --quick --budget-s 8
+stage "4b --quick --resume" 50 $MLA --db "sqlite:///$WORK/resume.db" tune --quick --resume
+python3 - "$WORK/resume.db" <<'EOF' | tee -a "$TIMES"
+import collections, sys
+from mla_tune.store.repository import Store
+with Store.open("sqlite:///" + sys.argv[1], create=False) as store:
+    rows = store.measurements()
+    twice = [k for k, n in collections.Counter((m.key, m.backend, m.batch_size, m.kv_len, m.gpu_uuid)
+                                               for m in rows if m.status != "ineligible").items() if n > 1]
+    print(f"resume: {len(rows)} measurements, {len(twice)} (key, backend, shape) measured twice, "
+          f"{len(store.decisions())} decisions, runs {[r.status for r in store.runs()]}")
+EOF
+echo; cat "$TIMES"
