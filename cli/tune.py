@@ -38,7 +38,8 @@ def select_devices(devices, gpus: str | None, *, force: bool):
     elif gpus.strip().lower() == "all":
         chosen = list(devices)
     else:
-        wanted = _int_list(gpus, "'--gpus'") if gpus.replace(",", "").replace(" ", "").isdigit() else None
+        parts = [x.strip() for x in gpus.split(",") if x.strip()]
+        wanted = [int(x) for x in parts] if parts and all(x.isdigit() for x in parts) else None
         if wanted is None:
             raise click.BadParameter(f"expected 'all' or GPU indices such as 0,2, got {gpus!r}",
                                      param_hint="'--gpus'")
