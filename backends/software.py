@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import re
-from importlib import metadata
+import sys
 from pathlib import Path
 
 from mla_tune.backends.device import SoftwareFingerprint
@@ -23,12 +24,30 @@ _CUDA_LINE = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.MULTI
 _CUDA_SUFFIX = re.compile(r"\+cu(\d+)(\d)$")
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
 def package_version(distribution: str) -> str:
-    """The installed version of `distribution`, or "" when it is not installed."""
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return ""
+    """The installed version of `distribution`, or "" when it is not installed.
+
+    Reads the `NAME-VERSION.dist-info` (or `.egg-info`) directory names on
+    `sys.path`, the first match winning as in `importlib.metadata`, whose
+    import alone costs ~20 ms at a serving engine's startup.
+    """
+    wanted = _normalized(distribution)
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            stem, dot, suffix = name.rpartition(".")
+            if dot and suffix in ("dist-info", "egg-info"):
+                dist, _, version = stem.partition("-")
+                if version and _normalized(dist) == wanted:
+                    return version.split("-")[0] if suffix == "egg-info" else version
+    return ""
 
 
 def torch_cuda_runtime(torch_version: str = "") -> str:

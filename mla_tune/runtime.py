@@ -12,7 +12,6 @@ memoised per process.
 
 from __future__ import annotations
 
-import logging
 import threading
 import types
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ from mla_tune.backends.common_cases import static_choice_assuming_installed
 from mla_tune.backends.priority import static_priority
 from mla_tune.backends.problem import DeviceSpec, Geometry, Problem, parse_compute_capability
 from mla_tune.backends.registry import BACKENDS, backend_reasons, candidates
-
-log = logging.getLogger("mla_tune")
 
 DEFAULT_SPARSE_TOPK = 2048    # DeepSeek-V3.2 and GLM-5 index top-k
 
@@ -224,7 +221,9 @@ def _warn_once(message: str) -> None:
         if message in _WARNED:
             return
         _WARNED.add(message)
-    log.warning("mla-tune lookup: %s; using vLLM's static choice", message)
+    import logging  # only when there is something to say: it costs milliseconds at engine startup
+
+    logging.getLogger("mla_tune").warning("mla-tune lookup: %s; using vLLM's static choice", message)
 
 
 def _sku_matches(stored_sku: str, device: DeviceInfo) -> bool:
