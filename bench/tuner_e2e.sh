@@ -30,9 +30,11 @@ fi
 export PYTHONPATH=$PWD/.site:${PYTHONPATH:-}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
-MLA="python3 -m mla_tune.cli.main"
+MLA="python3 -c 'from mla_tune.cli.main import main; main()'"
 python3 -c "import mla_tune.cli.main" || exit 1
 command -v mla-tune >/dev/null && MLA=mla-tune
+mla() { eval "$MLA" '"$@"'; }
+export -f mla; export MLA
 
 WORK=$(mktemp -d /tmp/mla-tune-e2e.XXXX)
 export FLASHINFER_WORKSPACE_BASE=$WORK/flashinfer TRITON_CACHE_DIR=$WORK/triton MLA_TUNE_LOCK_DIR=$WORK/locks
@@ -40,12 +42,12 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
 TIMES=$OUT/timings.txt
 : > "$TIMES"
 
-stage() {  # stage NAME LIMIT_S COMMAND...
+stage() {  # stage NAME LIMIT_S MLA-TUNE-ARGS...
   local name=$1 limit=$2; shift 2
-  echo; echo "=== $name: $* (limit ${limit} s) ==="
+  echo; echo "=== $name: mla-tune $* (limit ${limit} s) ==="
   local t0 t1 rc
   t0=$(date +%s%N)
-  timeout --signal=INT --kill-after=10 "$limit" "$@"
+  timeout --signal=INT --kill-after=10 "$limit" bash -c 'mla "$@"' mla "$@"
   rc=$?
   t1=$(date +%s%N)
   printf '%-32s %6d.%01d s  exit %d\n' "$name" $(( (t1 - t0) / 1000000000 )) $(( (t1 - t0) / 100000000 % 10 )) "$rc" \
@@ -55,20 +57,20 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$TIMES"
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$TIMES"
-$MLA probe
+mla probe
 
-stage "1 cold default tune" 280 $MLA --db "sqlite:///$WORK/first.db" tune --budget-s 265
-$MLA --db "sqlite:///$WORK/first.db" show --json > "$OUT/show_first.json"
+stage "1 cold default tune" 280 --db "sqlite:///$WORK/first.db" tune --budget-s 265
+mla --db "sqlite:///$WORK/first.db" show --json > "$OUT/show_first.json"
 
-stage "2 warm main job (mla-tune)" 130 $MLA --db "sqlite:///$WORK/second.db"
-$MLA --db "sqlite:///$WORK/second.db" show --json > "$OUT/show_second.json"
+stage "2 warm main job (mla-tune)" 130 --db "sqlite:///$WORK/second.db"
+mla --db "sqlite:///$WORK/second.db" show --json > "$OUT/show_second.json"
 python3 bench/tuner_stability.py "$OUT/show_first.json" "$OUT/show_second.json" | tee "$OUT/stability.txt"
 
-stage "3 warm --quick tune" 60 $MLA --db "sqlite:///$WORK/quick.db" tune --quick
-$MLA --db "sqlite:///$WORK/quick.db" show --json > "$OUT/show_quick.json"
+stage "3 warm --quick tune" 60 --db "sqlite:///$WORK/quick.db" tune --quick
+mla --db "sqlite:///$WORK/quick.db" show --json > "$OUT/show_quick.json"
 
-stage "4a --quick --budget-s 8" 30 $MLA --db "sqlite:///$WORK/resume.db" tune --quick --budget-s 8
-stage "4b --quick --resume" 50 $MLA --db "sqlite:///$WORK/resume.db" tune --quick --resume
+stage "4a --quick --budget-s 8" 30 --db "sqlite:///$WORK/resume.db" tune --quick --budget-s 8
+stage "4b --quick --resume" 50 --db "sqlite:///$WORK/resume.db" tune --quick --resume
 python3 - "$WORK/resume.db" <<'EOF' | tee -a "$TIMES"
 import collections, sys
 from mla_tune.store.repository import Store
