@@ -127,10 +127,12 @@ def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | 
         evidence[(m.key, digest)].append((m, node))
     stored_nodes = provenance.decision_nodes(store)
     candidates: dict[tuple, list[tuple[Decision, str]]] = defaultdict(list)
+    already: dict[tuple, tuple[Decision, str]] = {}
     for group in groups:
         stored = store.decision(group[0], fingerprint=group[1])
         if stored is not None:
-            candidates[group].append((stored, stored_nodes.get(group, "")))
+            already[group] = (stored, stored_nodes.get(group, ""))
+            candidates[group].append(already[group])
     for d, node in incoming.decisions:
         candidates[(d.key, d.fingerprint.digest)].append((d, node))
 
@@ -164,8 +166,7 @@ def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | 
                     report.rebuilt.append(f"{key.sku}, {key.label}: {merged.winner} "
                                           f"({len(nodes)} nodes, {len(merged.gpu_uuids)} GPUs)")
                     report.disagreements += _disagreements(key, evidence[group], merged, node_winners)
-        stored = [dn for dn in decisions if dn not in incoming.decisions]
-        if any(_decision_identity(*dn) == _decision_identity(*chosen) for dn in stored):
+        if group in already and _decision_identity(*already[group]) == _decision_identity(*chosen):
             report.decisions_unchanged += 1
         else:
             to_save.append(chosen)

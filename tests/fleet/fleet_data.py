@@ -57,7 +57,7 @@ def measurements(k: DecisionKey, *, gpus=("GPU-aaaa",), scale: dict[str, float] 
     return out
 
 
-def decision(k: DecisionKey, ms: list[Measurement]) -> Decision:
+def decision(k: DecisionKey, ms: list[Measurement], *, fingerprint: SoftwareFingerprint = FINGERPRINT) -> Decision:
     times: dict[str, dict[tuple[int, int], list[float]]] = {}
     for m in ms:
         if m.status == "ok":
@@ -75,7 +75,7 @@ def decision(k: DecisionKey, ms: list[Measurement]) -> Decision:
                     noise_margin=0.02, per_shape=tuple(
                         ShapeWinner(b, n, min(med, key=lambda x: med[x][(b, n)]), best[(b, n)]) for b, n in shapes),
                     anomalies=anomalies, failures={"TRITON_MLA_SPARSE": "the key is dense and the backend is sparse-only"},
-                    fingerprint=FINGERPRINT, gpu_uuids=tuple(sorted({m.gpu_uuid for m in ms})),
+                    fingerprint=fingerprint, gpu_uuids=tuple(sorted({m.gpu_uuid for m in ms})),
                     decided_at="2026-11-22T01:05:00Z")
 
 
@@ -98,18 +98,18 @@ def device(uuid: str = "GPU-aaaa", name: str = "NVIDIA H200"):
 
 
 def populate(store, *, node: str = "node-a", gpus=("GPU-aaaa",), heads=(16, 64), scale=None,
-             started_at: str = "2026-11-22T01:00:00+00:00") -> list[Decision]:
+             fingerprint: SoftwareFingerprint = FINGERPRINT) -> list[Decision]:
     """Write a real tune's worth of records for `gpus` of one node through the Store API."""
     decisions = []
     run_ids = {}
     for gpu in gpus:
-        run_ids[gpu] = store.start_run(device=device(gpu), fingerprint=FINGERPRINT, preset="quick", node=node)
+        run_ids[gpu] = store.start_run(device=device(gpu), fingerprint=fingerprint, preset="quick", node=node)
     for h in heads:
         k = key(h)
         ms = measurements(k, gpus=gpus, scale=scale)
         for m in ms:
             store.add_measurement(run_ids[m.gpu_uuid], m)
-        d = decision(k, ms)
+        d = decision(k, ms, fingerprint=fingerprint)
         store.save_decision(d, node=node)
         decisions.append(d)
     for run_id in run_ids.values():
