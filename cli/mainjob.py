@@ -37,20 +37,12 @@ def run_main_job(ctx: click.Context) -> None:
     from mla_tune.tuner.probe import ProbeError, probe_devices
 
     try:
-        devices = probe_devices()
+        probe_devices()
     except ProbeError as exc:
         click.echo(f"No NVIDIA GPU here, so nothing can be tuned: {exc}.")
         click.echo("Showing vLLM's static choices, which `mla-tune lookup` returns until a GPU node is tuned.")
         static_table()
         return
-    try:
-        from mla_tune.cli.tune import main_job
-    except ModuleNotFoundError as exc:
-        if exc.name != "mla_tune.cli.tune":
-            raise
-        names = ", ".join(sorted({d.name for d in devices}))
-        click.echo(f"Found {len(devices)} GPU(s) ({names}), but this build of mla-tune has no tuner yet; "
-                   f"showing vLLM's static choices.")
-        static_table()
-        return
+    from mla_tune.cli.tune import main_job
+
     main_job(ctx)
