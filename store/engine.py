@@ -134,6 +134,16 @@ def translate_error(exc: BaseException, url: str, *, busy_timeout_s: float | Non
     return StoreError(scrub(msg, url))
 
 
+def require_driver(url: str) -> None:
+    """StoreError with the install command when the URL's driver is not installed."""
+    if url.startswith("postgresql"):
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as exc:
+            raise StoreError(f"PostgreSQL stores need psycopg 3 ({exc}); install it with "
+                             f"pip install 'mla-tune[postgres]'") from None
+
+
 def make_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> Engine:
     """An engine for a resolved URL: SQLite with WAL + busy timeout, PostgreSQL with a 2 s connect timeout.
 
@@ -171,5 +181,6 @@ def make_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> 
             conn.exec_driver_sql(f"BEGIN {mode}")
 
         return engine
+    require_driver(url)
     return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=4,
                          connect_args={"connect_timeout": CONNECT_TIMEOUT_S})

@@ -137,6 +137,9 @@ def _find_sqlalchemy(url: str, sql: str, params: dict[str, Any]) -> list[Decisio
         url = resolve_url(url)
     except ValueError as exc:
         raise StoreError(str(exc)) from None
+    from mla_tune.store.engine import require_driver
+
+    require_driver(url)
     from sqlalchemy import create_engine, text
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.pool import NullPool

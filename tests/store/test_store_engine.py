@@ -68,3 +68,16 @@ def test_bad_urls_are_one_line_value_errors_that_create_nothing(url, message, tm
 ])
 def test_mask_url_hides_passwords(url, masked):
     assert mask_url(url) == masked
+
+
+def test_postgres_without_psycopg_says_what_to_install(monkeypatch):
+    import sys
+
+    from mla_tune.store.engine import StoreError
+    from mla_tune.store.readonly import find_decisions
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)   # as if not installed
+    for attempt in (lambda: Store.open("postgresql://tuner@db.internal/mla"),
+                    lambda: find_decisions("postgresql://tuner@db.internal/mla")):
+        with pytest.raises(StoreError, match=r"PostgreSQL stores need psycopg 3 .*pip install 'mla-tune\[postgres\]'"):
+            attempt()
