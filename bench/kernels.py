@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     header = [f"# mla-tune kernel benchmark, {stamp} UTC",
               f"# command: python3 bench/kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}",
-              "# " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "spec"),
+              "# " + ", ".join(f"{k} {v}" for k, v in env.items()
+                               if k not in ("spec", "copy_gbs", "matmul_tflops")),
               f"# copy bandwidth {env['copy_gbs']:.0f} GB/s (read+write), bf16 matmul {env['matmul_tflops']:.0f} TFLOP/s",
               f"# page_size {args.page_size}, q_len 1, {'ragged' if args.ragged else 'uniform'} lengths, "
               f"CUDA graphs over L2-rotated copies, rel-CI target {args.rel_ci}, cap {args.max_seconds}s/shape",
