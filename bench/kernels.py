@@ -88,7 +88,9 @@ def grid(args) -> list[tuple]:
     if not args.dense_only:
         lens = args.kv_len or SPARSE_KV_LENS
         shapes += [(kv, h, b, n, args.topk) for kv, h, b, n in itertools.product(kvs, args.heads, args.batch, lens)]
-    return shapes
+    # REFERENCE.md's shapes first, so that a run cut short by --time-budget-s still has them.
+    first = [(kv, h, b, n, None) for kv, h, b, n in REFERENCE_SHAPES]
+    return [s for s in first if s in shapes] + [s for s in shapes if s not in first]
 
 
 def environment() -> dict:

@@ -35,6 +35,8 @@ def test_grid_covers_the_issue_and_subsets():
                                          "--batch", "1,4", "--kv-len", "1024"]))
     assert small == [("fp8_e4m3", 16, 1, 1024, None), ("fp8_e4m3", 16, 4, 1024, None)]
     assert len(bench.grid(bench.parse_args(["--reference-shapes"]))) == 12
+    assert full[:12] == [(kv, h, b, n, None) for kv, h, b, n in bench.REFERENCE_SHAPES]
+    assert len(set(full)) == len(full)
 
 
 def test_rows_format_both_outcomes():
