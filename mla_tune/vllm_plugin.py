@@ -110,20 +110,22 @@ def apply_tuned_backend(engine_args) -> str | None:
     hf = model_config.hf_text_config
     tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
     num_heads = int(hf.num_attention_heads) // tp
-    sparse = getattr(hf, "index_topk", None) is not None
+    topk = getattr(hf, "index_topk", None)
     kv_cache_dtype = str(getattr(engine_args, "kv_cache_dtype", "auto") or "auto")
+    query_dtype = str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")
+    geometry = _geometry(hf)
 
     import mla_tune
-    from mla_tune.engines import choose_for_engine
+    from mla_tune.engines import choice_for_engine
 
-    choice = mla_tune.lookup(num_heads=num_heads, kv_cache_dtype=kv_cache_dtype, sparse=sparse,
-                             device=_device_override(), db=os.environ.get("MLA_TUNE_DB") or None)
+    db = os.environ.get("MLA_TUNE_DB") or None
+    choice = mla_tune.lookup(num_heads, kv_cache_dtype, sparse=topk is not None, topk=topk, geometry=geometry,
+                             query_dtype=query_dtype, device=_device_override(), db=db)
     if choice.source != "tuned":
-        logger.info("mla-tune: no tuned entry for %d heads, kv %s (%s); vLLM chooses",
-                    num_heads, kv_cache_dtype, choice.source)
+        logger.info("mla-tune: nothing tuned for %d heads, kv %s (%s); vLLM chooses",
+                    num_heads, kv_cache_dtype, choice.why)
         return None
-    picked = choose_for_engine(winner=choice.backend, scores=getattr(choice, "scores", None) or {},
-                               engine="vllm")
+    picked = choice_for_engine(choice, "vllm", db=db)
     if picked.engine_backend is None:
         logger.info("mla-tune: %s", picked.reason)
         return None
@@ -131,6 +133,17 @@ def apply_tuned_backend(engine_args) -> str | None:
     logger.info("mla-tune: attention backend %s for %d heads, kv %s (%s)",
                 picked.engine_backend, num_heads, kv_cache_dtype, picked.reason)
     return picked.engine_backend
+
+
+def _geometry(hf):
+    """The model's MLA geometry from its Hugging Face config (None: DeepSeek's default)."""
+    names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    values = [getattr(hf, name, None) for name in names]
+    if any(v is None for v in values):
+        return None
+    from mla_tune.backends.problem import Geometry
+
+    return Geometry(*(int(v) for v in values))
 
 
 def _as_vllm_enum(name: str):
