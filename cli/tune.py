@@ -73,6 +73,7 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) 
     from mla_tune.tuner.presets import SHAPE_TIME_CAP_S, SpecError, expand_keys
     from mla_tune.tuner.probe import ProbeError, probe_devices
     from mla_tune.tuner.run import TuneError, TuneOptions, tune
+    from mla_tune.tuner.worker import WorkerStartError
 
     try:
         expand_keys(spec)
@@ -101,7 +102,7 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) 
                      if not digests or d.fingerprint.digest in digests]
     except (SpecError, BudgetError) as exc:
         raise click.UsageError(str(exc)) from None
-    except (StoreError, GpuBusy, TuneError) as exc:
+    except (StoreError, GpuBusy, TuneError, WorkerStartError) as exc:
         raise fail(str(exc)) from None
     print_report(report, shown)
 

@@ -29,6 +29,7 @@ from mla_tune.tuner.measure import Outcome, ShapeTask
 from mla_tune.tuner.plan import (KeyPlan, Unit, check_budget, done_shapes, estimate_s, plan_units,
                                  unit_estimate_s)
 from mla_tune.tuner.presets import SHAPE_TIME_CAP_S, TuneSpec, expand_keys
+from mla_tune.tuner.prewarm import JIT_PREFIXES, jit_tasks, prewarm
 from mla_tune.tuner.progress import TuneProgress
 from mla_tune.tuner.worker import Worker
 
@@ -59,6 +60,8 @@ class TuneOptions:
         timeouts_s: per-phase worker timeouts.
         progress: show rich progress bars on stderr.
         node: host name stored with runs and decisions.
+        prewarm: compile JIT backends (names starting with `jit_prefixes`) in parallel
+            workers before timing (`prewarm.py`).
     """
 
     budget_s: float | None = None
@@ -75,6 +78,8 @@ class TuneOptions:
     timeouts_s: Mapping[str, float] | None = None
     progress: bool = True
     node: str = field(default_factory=socket.gethostname)
+    prewarm: bool = True
+    jit_prefixes: tuple[str, ...] = JIT_PREFIXES
 
 
 @dataclass
@@ -249,7 +254,7 @@ class _SkuTune:
         try:
             decision = decide(plan.key, measurements, weights=plan.weights, static_choice=plan.static_choice,
                               fingerprint=self.fingerprint, decided_at=_now_iso(),
-                              extra_failures=plan.ineligible)
+                              extra_failures={b: f"ineligible: {why}" for b, why in plan.ineligible.items()})
         except NoDecision as exc:
             with self.lock:
                 self.report.undecided[plan.key] = str(exc)
@@ -268,7 +273,7 @@ class _SkuTune:
                 self._decide(index)
         threads = [threading.Thread(target=self._gpu_loop, args=(d,), name=f"mla-tune-gpu{d.index}", daemon=True)
                    for d in self.devices]
-        status = "failed"
+        status = "interrupted"         # unless every unit completes
         try:
             for t in threads:
                 t.start()
@@ -398,6 +403,16 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
         if on_plan is not None:
             on_plan(all_plans, report.estimate_s)
         deadline = started + options.budget_s if options.budget_s is not None else None
+        tasks = (jit_tasks(all_plans, prefixes=options.jit_prefixes,
+                           adapters=tuple((options.adapters or {}).items()))
+                 if options.prewarm and devices else [])
+        if tasks:
+            first = devices[0]
+            seconds, notes = prewarm(tasks, cuda_visible=first.uuid or str(first.index),
+                                     device=options.worker_device, bench=options.bench,
+                                     timeouts_s=dict(options.timeouts_s or {}))
+            report.seconds[f"JIT warm-up ({len(tasks)} builds in parallel)"] += seconds
+            report.notes.extend(notes)
         with TuneProgress(enabled=options.progress) as progress:
             for group, plans, fp in work:
                 if not plans:

@@ -32,6 +32,10 @@ DEFAULT_TIMEOUTS_S = {"start": 120.0, "inputs": 300.0, "prepare": 420.0, "captur
                       "timing": 180.0}
 
 
+class WorkerStartError(RuntimeError):
+    """A worker could not start (no usable CUDA device, broken install); the message says why."""
+
+
 @dataclass
 class ShapeResult:
     """Everything one shape produced: an outcome per backend, or why the shape was skipped."""
@@ -152,7 +156,7 @@ class Worker:
             reason = event[1] if event and event[0] == "fatal" else _death_reason(self._proc.exitcode,
                                                                                   self.log_path)
             self.stop()
-            raise RuntimeError(f"could not start a worker for {self.gpu or self.device}: {reason}")
+            raise WorkerStartError(f"could not start a worker for GPU {self.gpu or self.device}: {reason}")
 
     def _next_event(self, timeout_s: float):
         """The next event, or None when the worker died or said nothing for `timeout_s`."""

@@ -54,8 +54,13 @@ def test_tune_stores_decisions_failures_and_skips_what_is_tuned(env, monkeypatch
                                                        "FAKE_OTHER": {"1": 1.0, "3": 2.0}}))
     with Store.open(f"sqlite:///{tmp / 'tune.db'}") as store:
         report = tune(spec(workload), store=store, devices=[GPU0],
-                      options=options("FAKE_GOOD", "FAKE_OTHER", "FAKE_LIAR", static_choice="FAKE_OTHER"))
+                      options=options("FAKE_GOOD", "FAKE_OTHER", "FAKE_LIAR", static_choice="FAKE_OTHER",
+                                      jit_prefixes=("FAKE_LIAR",)))
         assert report.units_done == 6 and not report.undecided and not report.budget_exhausted
+        # The JIT warm-up ran one build (one backend, one dtype) before timing and reported its failure.
+        assert "JIT warm-up (1 builds in parallel)" in report.seconds
+        assert [n for n in report.notes if n.startswith("JIT warm-up of FAKE_LIAR (bf16) did not succeed: "
+                                                        "FAKE_LIAR: incorrect: relative error")], report.notes
         stored = {d.key.num_heads: d for d in store.decisions()}
         assert sorted(stored) == [1, 2, 4]
         d = stored[4]
