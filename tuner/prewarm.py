@@ -65,7 +65,7 @@ def prewarm(tasks: Sequence[ShapeTask], *, cuda_visible: str | None, device: str
             with lock:
                 notes.append(f"JIT warm-up of {task.backends[0]} could not run: {exc}")
         finally:
-            worker.stop()
+            worker.close()
 
     threads = [threading.Thread(target=one, args=(t,), daemon=True, name="mla-tune-prewarm") for t in tasks]
     for t in threads:

@@ -195,7 +195,7 @@ class _SkuTune:
                 self.errors.append(exc)
                 self.stopped = True
         finally:
-            worker.stop()
+            worker.close()
 
     def _measure(self, worker: Worker, device: DeviceInfo, unit: Unit) -> None:
         plan = self.plans[unit.key_index]
@@ -229,11 +229,13 @@ class _SkuTune:
         with self.lock:
             self.new[unit.key_index].extend(rows)
             prep = sum((info.get("prepare_s") or {}).values())
-            self.report.seconds["prepare (JIT, plan, first run)"] += prep
-            self.report.seconds["inputs and reference"] += info.get("inputs_and_reference_s", 0.0)
-            self.report.seconds["timing"] += info.get("timing_s", 0.0)
-            self.report.seconds["correctness gate and other"] += max(
-                0.0, elapsed - prep - info.get("inputs_and_reference_s", 0.0) - info.get("timing_s", 0.0))
+            parts = {"worker start (torch import, CUDA init)": info.get("worker_start_s", 0.0),
+                     "prepare (JIT, plan, first run)": prep,
+                     "inputs and float32 reference": info.get("inputs_and_reference_s", 0.0),
+                     "graph capture and timing": info.get("timing_s", 0.0)}
+            parts["correctness gate, store and other"] = max(0.0, elapsed - sum(parts.values()))
+            for name, secs in parts.items():
+                self.report.seconds[name] += secs
             if "peak_memory_bytes" in info:
                 self.report.peak_memory_bytes[device.uuid] = max(self.report.peak_memory_bytes.get(device.uuid, 0),
                                                                  int(info["peak_memory_bytes"]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -66,9 +67,9 @@ def _worker_main(conn, cuda_visible: str | None, device: str, gpu: str | None,
 
     try:
         bench = _load(bench_path)
-        if device == "cuda":
-            import torch
+        import torch  # here, so its import counts as worker start
 
+        if device == "cuda":
             torch.cuda.set_device(0)
             torch.cuda.init()
     except Exception as exc:  # noqa: BLE001
@@ -134,6 +135,7 @@ class Worker:
                  log_dir: Path | None = None):
         self.cuda_visible, self.device, self.gpu, self.bench = cuda_visible, device, gpu, bench
         self.timeouts_s = {**DEFAULT_TIMEOUTS_S, **(timeouts_s or {})}
+        self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mla-tune-worker-"))
         self._ctx = multiprocessing.get_context("spawn")
         self._proc = None
@@ -230,7 +232,9 @@ class Worker:
                     self.stop()
                 if sent:
                     result.restarts += 1
+                t0 = time.monotonic()
                 self._start()
+                result.info["worker_start_s"] = result.info.get("worker_start_s", 0.0) + time.monotonic() - t0
             sent = True
             self._conn.send(ShapeTask(task.problem, task.shape, tuple(pending), task.seed,
                                       task.rel_ci_target, task.max_seconds, task.adapters))
@@ -285,8 +289,14 @@ class Worker:
 
     _exitcode: int | None = None
 
+    def close(self) -> None:
+        """Stop the worker for good and remove its logs (when mla-tune made their folder)."""
+        self.stop()
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
     def __enter__(self) -> Worker:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.close()
