@@ -27,7 +27,7 @@ from mla_tune.backends.inputs import make_inputs
 from mla_tune.backends.problem import Problem, Shape
 from mla_tune.backends.reference import mla_reference
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
-from mla_tune.backends.triton_mla.launch import LaunchParams, default_params, launch
+from mla_tune.backends.triton_mla.launch import launch, params_from_tile, rows_bucket
 
 COLD_BYTES = 400 * 2**20
 T0 = time.time()
@@ -146,50 +146,67 @@ def check_and_time(case: Case, adapter) -> dict:
 
 
 # rows bucket (q_len x heads, rounded up) -> candidate (block_h, block_n, num_warps, num_stages), prior first
+# rows bucket -> candidate tiles (block_h, block_n, num_warps, num_stages, split_d, waves), prior first
+_BIG = [(64, 64, 8, 2, True, 2), (64, 32, 8, 2, True, 2), (64, 64, 8, 2, False, 2), (64, 32, 8, 3, True, 2)]
 BUCKET_CONFIGS = {
-    16: [(16, 64, 4, 2), (16, 32, 4, 2), (64, 32, 8, 2)],
-    32: [(32, 64, 4, 2), (32, 32, 4, 2)],
-    64: [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3)],
-    128: [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3)],
+    16: [(16, 32, 4, 2, True, 2), (16, 32, 4, 2, False, 2), (16, 64, 4, 2, True, 2), (16, 16, 4, 2, True, 2),
+         (64, 32, 8, 2, True, 2)],
+    32: [(32, 32, 4, 2, False, 2), (32, 32, 4, 2, True, 2), (16, 32, 4, 2, True, 2), (64, 32, 8, 2, True, 2)],
+    64: _BIG,
+    128: _BIG,
 }
 
 
 def bucket(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+    return rows_bucket(rows)
+
+
+def kv_kind(kv_dtype: str) -> str:
+    return "fp8" if kv_dtype == "fp8_e4m3" else "16bit"
+
+
+def params_for(tile, *, heads, batch, max_items):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=max_items, num_sms=sms)
 
 
 def sweep(args, bw, mm):
-    """Time each bucket's candidates at batch 64, kv_len 4096; return {(dtype, bucket): best}."""
+    """Time each bucket's candidate tiles at batch 64, kv_len 4096 (then the winner's wave
+    count 1 and 4 at batch 16); return {(kv kind, bucket): best tile}."""
     best = {}
     for heads in (64, 16, 128, 32):
         for kv_dtype in ("bf16", "fp8_e4m3"):
             case = Case(Problem(heads, kv_dtype, page_size=64), Shape(64, 4096))
             roof = case.roofline_us(bw, mm)
             timed = []
-            for cfg in BUCKET_CONFIGS[bucket(heads)]:
+            for tile in BUCKET_CONFIGS[bucket(heads)]:
                 if time.time() - T0 > args.budget_s:
                     log("# sweep budget reached")
                     break
-                params = default_params_like(cfg, heads=heads, batch=64, max_items=case.max_items)
+                params = params_for(tile, heads=heads, batch=64, max_items=case.max_items)
                 r = check_and_time(case, TritonMLA(params))
-                log("sweep " + fmt_line(case, params.label(), r, roof))
+                log("sweep " + fmt_line(case, params.label(), r, roof, str(tile)))
                 if r["status"] == "ok":
-                    timed.append((r["us"], cfg))
-            if timed:
-                best[(kv_dtype, bucket(heads))] = min(timed)[1]
+                    timed.append((r["us"], tile))
             case.free()
+            if not timed:
+                continue
+            winner = min(timed)[1]
+            # wave count: matters when batch x m_blocks is small against the SM count
+            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(16, 4096))
+            roof = case.roofline_us(bw, mm)
+            waves_timed = []
+            for waves in (1, 2, 4):
+                tile = winner[:5] + (waves,)
+                params = params_for(tile, heads=heads, batch=16, max_items=case.max_items)
+                r = check_and_time(case, TritonMLA(params))
+                log("sweep " + fmt_line(case, params.label(), r, roof, str(tile)))
+                if r["status"] == "ok":
+                    waves_timed.append((r["us"], tile))
+            case.free()
+            best[(kv_kind(kv_dtype), bucket(heads))] = min(waves_timed)[1] if waves_timed else winner
     log(f"# sweep winners: {best}")
     return best
-
-
-def default_params_like(cfg, *, heads, batch, max_items):
-    from mla_tune.backends.triton_mla.launch import choose_splits
-    bh, bn, nw, ns = cfg
-    m_blocks = math.ceil(heads / bh)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=sms,
-                           min_split_tokens=256 if bh < 64 else 512)
-    return LaunchParams(bh, bn, nw, ns, splits)
 
 
 def fmt_line(case, name, r, roof, tag=""):
@@ -217,10 +234,9 @@ def grid(args, bw, mm, table=None):
             break
         if True:
             adapters = {"triton": TritonMLA()}
-            if table and (kv_dtype, bucket(heads)) in table:
-                cfg = table[(kv_dtype, bucket(heads))]
-                adapters["triton"] = TritonMLA(default_params_like(cfg, heads=heads, batch=batch,
-                                                                   max_items=kv_len))
+            if table and (kv_kind(kv_dtype), bucket(heads)) in table:
+                tile = table[(kv_kind(kv_dtype), bucket(heads))]
+                adapters["triton"] = TritonMLA(params_for(tile, heads=heads, batch=batch, max_items=kv_len))
             if args.flashinfer:
                 from mla_tune.backends.flashinfer_mla import FlashInferFA2, FlashInferFA3
                 adapters["fa3"] = FlashInferFA3()

@@ -41,6 +41,55 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr):
+    """Token positions `[BLOCK_N]`, their validity, and row pointers into the paged cache."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    in_range = offs_n < end
+    if SPARSE:
+        pos = tl.load(topk_row + offs_n, mask=in_range, other=-1)
+        tok_ok = in_range & (pos >= 0) & (pos < seq_len)
+    else:
+        pos = offs_n
+        tok_ok = in_range
+    page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
+    kv_row = kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
+    return pos, tok_ok, kv_row
+
+
+@triton.jit
+def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.constexpr):
+    """Columns `col0 + offs` of the tile, zero for invalid tokens; FP8 cast to `dtype` (exact)."""
+    k = tl.load(kv_row[:, None] + col0 + offs[None, :], mask=tok_ok[:, None], other=0.0)
+    if KV_CAST:  # the per-tensor scale is applied outside the matmuls
+        k = k.to(dtype)
+    return k
+
+
+@triton.jit
+def _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i):
+    """Mask, scale and exponentiate one score tile (log2 domain).
+
+    Returns the new running max and sum, the probabilities `p` and the factor
+    `alpha` by which the accumulators must be rescaled.
+    """
+    visible = tok_ok[None, :] & (pos[None, :] < visible_len[:, None])
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, p, alpha
+
+
+@triton.jit
+def _inv_l(l_i, kv_scale):
+    """Output normalisation `kv_scale / l`, 0 for rows that saw no key (never NaN)."""
+    return tl.where(l_i > 0.0, kv_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
@@ -56,7 +105,7 @@ def _mla_split_kernel(
     D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -71,12 +120,14 @@ def _mla_split_kernel(
         qi = q_tok + rows * 0
         row_ok = h < num_heads
         n_items = topk
+        topk_row = topk_ptr + b.to(tl.int64) * stride_tkb + q_tok * stride_tkt
     else:
         r = pid_m * BLOCK_H + rows
         qi = r // num_heads
         h = r % num_heads
         row_ok = r < Q_LEN * num_heads
         n_items = seq_len
+        topk_row = topk_ptr
     # MTP causal rule: query token i sees the first seq_len - q_len + 1 + i keys.
     visible_len = seq_len - Q_LEN + 1 + qi
 
@@ -85,59 +136,75 @@ def _mla_split_kernel(
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, n_items)
 
-    offs_c = tl.arange(0, D_LATENT)
-    offs_r = tl.arange(0, D_ROPE)
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + qi * stride_qt + h * stride_qh
-    q_nope = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-    q_pe = tl.load(q_row[:, None] + D_LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-
     if KV_SCALE_IS_PTR:
         kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
     qk_scale = sm_scale_log2 * kv_scale
-
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + qi * stride_qt + h * stride_qh
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
+    offs_r = tl.arange(0, D_ROPE)
+    q_pe = tl.load(q_row[:, None] + D_LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
-    bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_range = offs_n < end
-        if SPARSE:
-            pos = tl.load(topk_ptr + b.to(tl.int64) * stride_tkb + q_tok * stride_tkt + offs_n,
-                          mask=in_range, other=-1)
-            tok_ok = in_range & (pos >= 0) & (pos < seq_len)
-        else:
-            pos = offs_n
-            tok_ok = in_range
-        page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
-        kv_row = kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
-        k = tl.load(kv_row[:, None] + offs_c[None, :], mask=tok_ok[:, None], other=0.0)
-        k_pe = tl.load(kv_row[:, None] + D_LATENT + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
-        if KV_CAST:  # FP8 e4m3 -> query dtype, exact; the scale is applied outside the matmuls
-            k = k.to(q_nope.dtype)
-            k_pe = k_pe.to(q_nope.dtype)
 
-        qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
-        qk = _dot(q_pe, tl.trans(k_pe), qk, DOT_UPCAST)
-        visible = tok_ok[None, :] & (pos[None, :] < visible_len[:, None])
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    if SPLIT_D:
+        # The latent dimension in four column blocks of 128: each FP8 block is cast on its
+        # own, so the cast never holds a whole [BLOCK_N, 512] tile in registers next to the
+        # accumulators, and the output accumulates in four [BLOCK_H, 128] blocks.
+        DC: tl.constexpr = D_LATENT // 4
+        offs_c = tl.arange(0, DC)
+        q0 = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q1 = tl.load(q_row[:, None] + DC + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q2 = tl.load(q_row[:, None] + 2 * DC + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q3 = tl.load(q_row[:, None] + 3 * DC + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        acc0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos, tok_ok, kv_row = _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
+                                           stride_kvt, BLOCK_N, PAGE_SIZE, SPARSE)
+            k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST)
+            k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+            k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+            k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+            k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
+            qk = _dot(q_pe, tl.trans(k_pe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+            qk = _dot(q0, tl.trans(k0), qk, DOT_UPCAST)
+            qk = _dot(q1, tl.trans(k1), qk, DOT_UPCAST)
+            qk = _dot(q2, tl.trans(k2), qk, DOT_UPCAST)
+            qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
+            m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
+            p = p.to(q0.dtype)
+            acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
+            acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
+            acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
+            acc3 = _dot(p, k3, acc3 * alpha[:, None], DOT_UPCAST)
+        inv_l = _inv_l(l_i, kv_scale)
+        o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
+        o_ptrs = o_row[:, None] + offs_c[None, :]
+        tl.store(o_ptrs, acc0 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_ptrs + DC, acc1 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_ptrs + 2 * DC, acc2 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_ptrs + 3 * DC, acc3 * inv_l[:, None], mask=row_ok[:, None])
+    else:
+        offs_c = tl.arange(0, D_LATENT)
+        q_nope = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos, tok_ok, kv_row = _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
+                                           stride_kvt, BLOCK_N, PAGE_SIZE, SPARSE)
+            k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST)
+            k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q_nope.dtype, KV_CAST)
+            qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+            qk = _dot(q_pe, tl.trans(k_pe), qk, DOT_UPCAST)
+            m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
+            acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], DOT_UPCAST)
+        inv_l = _inv_l(l_i, kv_scale)
+        o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
+        tl.store(o_row[:, None] + offs_c[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
 
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = _dot(p.to(k.dtype), k, acc, DOT_UPCAST)
-        m_i = m_new
-
-    has_keys = l_i > 0.0
-    inv_l = tl.where(has_keys, kv_scale / tl.where(has_keys, l_i, 1.0), 0.0)
-    out = acc * inv_l[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
-    tl.store(o_row[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
              lse, mask=row_ok)
 

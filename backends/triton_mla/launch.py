@@ -7,10 +7,10 @@ problem and the GPU's multiprocessor count alone.
 Workspace bound (allocated once by `Workspace.allocate`, never per call): the
 split partials need `batch x num_splits x rows x 512` float32 values plus
 `batch x num_splits x rows` LSEs, where `rows = q_len x heads`. The heuristic
-keeps `num_splits <= max(1, floor(2 x SMs / (batch x m_blocks)))`, so
-`batch x num_splits <= batch + 2 x SMs` and the partials never exceed
-`(batch + 2 x SMs) x rows x 2052` bytes (about 69 MB at 128 heads, q_len 2,
-132 SMs and batch 1; twice the fp32 output size plus that at large batches).
+keeps `num_splits <= max(1, floor(waves x SMs / (batch x m_blocks)))` with
+`waves <= 4`, so `batch x num_splits <= batch + 4 x SMs` and the partials never
+exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 128 heads,
+q_len 2, 132 SMs and batch 1; twice the fp32 output size plus that at large batches).
 With one split the kernel writes `out`/`lse` directly and needs no workspace.
 """
 
@@ -35,6 +35,8 @@ PARAM_SPACE = {
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3),
     "min_split_tokens": (128, 256, 512, 1024),
+    "waves": (1, 2, 4),
+    "split_d": (False, True),
 }
 
 
@@ -48,6 +50,8 @@ class LaunchParams:
         num_warps: warps per program.
         num_stages: software-pipelining depth of the KV loads.
         num_splits: programs along the KV axis of one request (flash-decoding).
+        split_d: handle the 512 latent columns as four blocks of 128 (four accumulators;
+            FP8 tiles are cast one block at a time, which lowers register pressure).
     """
 
     block_h: int = 64
@@ -55,10 +59,11 @@ class LaunchParams:
     num_warps: int = 8
     num_stages: int = 2
     num_splits: int = 1
+    split_d: bool = False
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
-                f"s{self.num_stages}x{self.num_splits}")
+                f"s{self.num_stages}{'d' if self.split_d else ''}x{self.num_splits}")
 
 
 def sm_count(device: torch.device) -> int:
@@ -74,29 +79,54 @@ def packed_rows(num_heads: int, q_len: int, *, sparse: bool) -> int:
 
 
 def choose_splits(*, batch: int, m_blocks: int, max_items: int, num_sms: int,
-                  min_split_tokens: int = 256) -> int:
-    """Flash-decoding split count: fill about two waves, keep each split >= min_split_tokens."""
+                  min_split_tokens: int = 256, waves: int = 2) -> int:
+    """Flash-decoding split count: about `waves` waves of programs, splits >= min_split_tokens."""
     programs = batch * m_blocks
-    wanted = (2 * num_sms) // programs
+    wanted = (waves * num_sms) // programs
     by_length = max(1, max_items // min_split_tokens)
     return int(max(1, min(wanted, by_length, MAX_SPLITS)))
 
 
+def rows_bucket(rows: int) -> int:
+    """Packed query rows rounded up to the tile table's buckets: 16, 32, 64 or 128."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+
+
+# (KV kind, rows bucket) -> (block_h, block_n, num_warps, num_stages, split_d, waves).
+# Measured on H100 with bench/triton_dev.py (see bench/TRITON_NOTES.md).
+TILE_TABLE = {
+    ("16bit", 16): (16, 32, 4, 2, True, 2),
+    ("16bit", 32): (32, 32, 4, 2, False, 2),
+    ("16bit", 64): (64, 64, 8, 2, True, 2),
+    ("16bit", 128): (64, 64, 8, 2, True, 2),
+    ("fp8", 16): (16, 32, 4, 2, False, 2),
+    ("fp8", 32): (32, 32, 4, 2, False, 2),
+    ("fp8", 64): (64, 32, 8, 2, True, 2),
+    ("fp8", 128): (64, 32, 8, 2, True, 2),
+}
+
+
+def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_items: int, num_sms: int,
+                     sparse: bool = False) -> LaunchParams:
+    """Launch parameters for one `TILE_TABLE` entry, the split count chosen for this shape."""
+    block_h, block_n, num_warps, num_stages, split_d, waves = tile
+    m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
+    splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
+                           min_split_tokens=256 if block_h < 64 else 512, waves=waves)
+    return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d)
+
+
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False) -> LaunchParams:
-    """The heuristic: tile sizes from the head count, splits from batch x length x SMs.
+    """The heuristic: tiles from `TILE_TABLE` by head rows, splits from batch x length x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
-    block_h = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 32 if block_h == 64 else 64
-    num_warps = 8 if block_h == 64 else 4
-    m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
-    splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
-                           min_split_tokens=256 if block_h < 64 else 512)
-    return LaunchParams(block_h, block_n, num_warps, 2, splits)
+    tile = TILE_TABLE[("fp8" if kv_fp8 else "16bit", rows_bucket(rows))]
+    return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
+                            num_sms=num_sms, sparse=sparse)
 
 
 def m_blocks_of(params: LaunchParams, *, num_heads: int, q_len: int, sparse: bool) -> int:
@@ -169,7 +199,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         Q_LEN=q_len, PAGE_SIZE=page_size, D_LATENT=D_LATENT, D_ROPE=D_ROPE,
         BLOCK_H=params.block_h, BLOCK_N=params.block_n,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
-        DOT_UPCAST=q.device.type != "cuda",
+        DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d,
         num_warps=params.num_warps, num_stages=params.num_stages,
     )
     if splits > 1:

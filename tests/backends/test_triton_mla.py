@@ -25,11 +25,12 @@ from mla_tune.backends.reference import mla_reference  # noqa: E402
 
 BF16_TOL, FP8_TOL = 1e-2, 2e-2
 
-# name -> (problem kwargs, shape, explicit seq_lens or None, params or None, kv_scale as tensor)
+# name -> (problem kwargs, shape, explicit seq_lens or None, LaunchParams fields or None, kv_scale as tensor)
 CPU_CASES = {
     "bf16_h3_edge_lengths": (dict(num_heads=3, page_size=16), (5, 17), [1, 15, 16, 17, 0], None, False),
     "bf16_h3_qlen2_splits": (dict(num_heads=3, page_size=16, q_len=2), (3, 70), None, (16, 16, 4, 1, 3), False),
-    "bf16_h20_qlen2_two_mblocks": (dict(num_heads=20, page_size=16, q_len=2), (2, 40), None, (32, 16, 4, 1, 2), False),
+    "bf16_h20_qlen2_two_mblocks": (dict(num_heads=20, page_size=16, q_len=2), (2, 40), None,
+                                   (32, 16, 4, 1, 2, True), False),
     "fp8_h5_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64), (2, 150), None,
                              (16, 32, 4, 1, 2), False),
     "fp8_h1_scale_tensor": (dict(num_heads=1, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 33), None, None, True),
@@ -38,7 +39,7 @@ CPU_CASES = {
     "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
                              False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
-                            (16, 16, 4, 1, 1), False),
+                            (16, 16, 4, 2, 1, True), False),
 }
 
 
@@ -116,7 +117,7 @@ def test_default_splits_fill_the_gpu_and_respect_the_workspace_bound():
         for heads in (1, 16, 128):
             p = default_params(num_heads=heads, q_len=2, batch=batch, max_items=32768, num_sms=132)
             m_blocks = math.ceil(2 * heads / p.block_h)
-            assert batch * p.num_splits <= batch + 2 * 132 / m_blocks + 1
+            assert batch * p.num_splits <= batch + 4 * 132 / m_blocks + 1
     short = default_params(num_heads=16, q_len=1, batch=1, max_items=100, num_sms=132)
     assert short.num_splits == 1, "a split shorter than a few hundred tokens costs more than it saves"
 
