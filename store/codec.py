@@ -23,6 +23,18 @@ MEASUREMENT_FIELDS = ("backend", "batch_size", "kv_len", "status", "median_ms", 
                       "temperature_c_after", "measured_at")
 
 
+def clean_text(value: Any) -> Any:
+    """Strings with NUL characters replaced by U+FFFD (PostgreSQL text cannot hold NUL; a
+    crashed backend's error output can contain one); containers cleaned recursively."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {clean_text(k): clean_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_text(v) for v in value]
+    return value
+
+
 def _json(value: Any) -> Any:
     """JSON columns come back parsed (SQLAlchemy, psycopg) or as text (raw sqlite3)."""
     return json.loads(value) if isinstance(value, (str, bytes)) else value
@@ -66,7 +78,7 @@ def device_from(row: Mapping[str, Any]) -> DeviceInfo:
 
 
 def measurement_values(m: Measurement) -> dict[str, Any]:
-    return {**key_values(m.key), **{name: getattr(m, name) for name in MEASUREMENT_FIELDS}}
+    return clean_text({**key_values(m.key), **{name: getattr(m, name) for name in MEASUREMENT_FIELDS}})
 
 
 def measurement_from(row: Mapping[str, Any]) -> Measurement:
@@ -75,13 +87,13 @@ def measurement_from(row: Mapping[str, Any]) -> Measurement:
 
 def decision_values(d: Decision) -> dict[str, Any]:
     """Column values of a decision (without node/updated_at, which the writer adds)."""
-    return {**key_values(d.key), "fingerprint_digest": d.fingerprint.digest, "winner": d.winner,
+    return clean_text({**key_values(d.key), "fingerprint_digest": d.fingerprint.digest, "winner": d.winner,
             "runner_up": d.runner_up, "margin": d.margin, "static_choice": d.static_choice,
             "static_score": d.static_score, "noise_margin": d.noise_margin,
             "kept_static": bool(d.kept_static), "scores": dict(d.scores),
             "per_shape": [asdict(s) for s in d.per_shape], "anomalies": list(d.anomalies),
             "failures": dict(d.failures), "gpu_uuids": list(d.gpu_uuids),
-            "decided_at": d.decided_at}
+            "decided_at": d.decided_at})
 
 
 def decision_from(row: Mapping[str, Any], fingerprint: SoftwareFingerprint) -> Decision:
