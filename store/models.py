@@ -159,7 +159,9 @@ class DecisionRow(KeyColumns, Base):
 
     @declared_attr.directive
     def __table_args__(cls):
-        # The unique constraint leads with sku + kv dtype + heads: it is also the lookup index.
-        return (UniqueConstraint("sku", "kv_cache_dtype", "num_heads", "query_dtype",
+        # The unique constraint leads with sku + kv dtype + heads: the index for lookups by SKU.
+        # The runtime lookup often knows only the GPU name (a prefix of the SKU): it uses the second.
+        return (Index("ix_decisions_lookup", "num_heads", "kv_cache_dtype", "query_dtype"),
+                UniqueConstraint("sku", "kv_cache_dtype", "num_heads", "query_dtype",
                                  "compute_capability", "geometry", "page_size", "topk", "q_len",
                                  "fingerprint_digest", name="uq_decisions_key_fingerprint"),)

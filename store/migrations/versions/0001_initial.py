@@ -137,9 +137,11 @@ def upgrade() -> None:
                             "compute_capability", "geometry", "page_size", "topk", "q_len",
                             "fingerprint_digest", name="uq_decisions_key_fingerprint"),
     )
+    op.create_index("ix_decisions_lookup", "decisions", ["num_heads", "kv_cache_dtype", "query_dtype"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_decisions_lookup", table_name="decisions")
     op.drop_table("decisions")
     op.drop_index("ix_measurements_key", table_name="measurements")
     op.drop_index(op.f("ix_measurements_run_id"), table_name="measurements")
