@@ -107,6 +107,7 @@ class Case:
             self.kv_bytes = tokens * 576 * base.kv_cache.element_size()
             self.flops = 2 * tokens * problem.num_heads * problem.q_len * 1088
         self.max_items = problem.topk if problem.sparse else int(lens.max())
+        self.total_items = problem.topk * shape.batch_size if problem.sparse else int(lens.sum())
 
     def roofline_us(self, bw: float, mm: float) -> float:
         return max(self.kv_bytes / bw, self.flops / mm) * 1e6
@@ -165,9 +166,11 @@ def kv_kind(kv_dtype: str) -> str:
     return "fp8" if kv_dtype == "fp8_e4m3" else "16bit"
 
 
-def params_for(tile, *, heads, batch, max_items):
+def params_for(tile, case):
+    """The tile's launch parameters for `case`, splits balanced exactly as the adapter does."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=max_items, num_sms=sms)
+    return params_from_tile(tile, rows=case.problem.num_heads, q_len=1, batch=case.shape.batch_size,
+                            max_items=case.max_items, num_sms=sms, total_items=case.total_items)
 
 
 def sweep(args, bw, mm):
@@ -183,7 +186,7 @@ def sweep(args, bw, mm):
                 if time.time() - T0 > args.budget_s:
                     log("# sweep budget reached")
                     break
-                params = params_for(tile, heads=heads, batch=64, max_items=case.max_items)
+                params = params_for(tile, case)
                 r = check_and_time(case, TritonMLA(params))
                 log("sweep " + fmt_line(case, params.label(), r, roof, str(tile)))
                 if r["status"] == "ok":
@@ -198,7 +201,7 @@ def sweep(args, bw, mm):
             waves_timed = []
             for waves in (1, 2, 4):
                 tile = winner[:5] + (waves,)
-                params = params_for(tile, heads=heads, batch=16, max_items=case.max_items)
+                params = params_for(tile, case)
                 r = check_and_time(case, TritonMLA(params))
                 log("sweep " + fmt_line(case, params.label(), r, roof, str(tile)))
                 if r["status"] == "ok":
@@ -236,13 +239,15 @@ def grid(args, bw, mm, table=None):
             adapters = {"triton": TritonMLA()}
             if table and (kv_kind(kv_dtype), bucket(heads)) in table:
                 tile = table[(kv_kind(kv_dtype), bucket(heads))]
-                adapters["triton"] = TritonMLA(params_for(tile, heads=heads, batch=batch, max_items=kv_len))
+                adapters["triton"] = ("tile", tile)
             if args.flashinfer:
                 from mla_tune.backends.flashinfer_mla import FlashInferFA2, FlashInferFA3
                 adapters["fa3"] = FlashInferFA3()
                 if kv_dtype == "fp8_e4m3" or args.fa2_bf16:
                     adapters["fa2"] = FlashInferFA2()
             case = Case(Problem(heads, kv_dtype, page_size=64), Shape(batch, kv_len))
+            if isinstance(adapters["triton"], tuple):
+                adapters["triton"] = TritonMLA(params_for(adapters["triton"][1], case))
             roof = case.roofline_us(bw, mm)
             res = {name: check_and_time(case, a) for name, a in adapters.items()}
             for name, r in res.items():

@@ -52,14 +52,16 @@ class TritonMLA:
         """The launch parameters `prepare` will use (reads the lengths: a host sync, untimed)."""
         if self.params is not None:
             return self.params
+        batch = inputs.q.shape[0]
         if self.sparse:
-            max_items = problem.topk
+            max_items, total_items = problem.topk, batch * problem.topk
         else:
-            max_items = int(inputs.seq_lens.max())
-        return default_params(num_heads=problem.num_heads, q_len=problem.q_len,
-                              batch=inputs.q.shape[0], max_items=max_items,
-                              num_sms=sm_count(inputs.q.device), sparse=self.sparse,
-                              kv_fp8=problem.kv_cache_dtype == "fp8_e4m3")
+            lengths = inputs.seq_lens.long()
+            max_items, total_items = int(lengths.max()), int(lengths.sum())
+        return default_params(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch,
+                              max_items=max(max_items, 1), num_sms=sm_count(inputs.q.device),
+                              sparse=self.sparse, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
+                              total_items=max(total_items, 1))
 
     def prepare(self, problem: Problem, inputs: DecodeInputs) -> PreparedTritonMLA:
         check_inputs(problem, inputs)

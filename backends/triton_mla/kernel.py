@@ -100,7 +100,7 @@ def _mla_split_kernel(
     stride_tkb, stride_tkt,
     stride_ob, stride_os, stride_ot, stride_oh,
     stride_lb, stride_ls, stride_lt, stride_lh,
-    num_heads, topk, num_splits,
+    num_heads, topk, split_items,
     Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,10 +131,12 @@ def _mla_split_kernel(
     # MTP causal rule: query token i sees the first seq_len - q_len + 1 + i keys.
     visible_len = seq_len - Q_LEN + 1 + qi
 
-    tiles = tl.cdiv(n_items, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, n_items)
+    # Fixed-size splits (split_items is a multiple of BLOCK_N): a short request leaves its last
+    # splits empty; those store only lse = -inf, and the combine skips them. Split 0 always
+    # stores (zeros for an empty request), which is what the one-split direct path needs.
+    start = split * split_items
+    end = tl.minimum(start + split_items, n_items)
+    o_ok = row_ok & ((start < n_items) | (split == 0))
 
     if KV_SCALE_IS_PTR:
         kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
@@ -182,10 +184,10 @@ def _mla_split_kernel(
         inv_l = _inv_l(l_i, kv_scale)
         o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
         o_ptrs = o_row[:, None] + offs_c[None, :]
-        tl.store(o_ptrs, acc0 * inv_l[:, None], mask=row_ok[:, None])
-        tl.store(o_ptrs + DC, acc1 * inv_l[:, None], mask=row_ok[:, None])
-        tl.store(o_ptrs + 2 * DC, acc2 * inv_l[:, None], mask=row_ok[:, None])
-        tl.store(o_ptrs + 3 * DC, acc3 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_ptrs, acc0 * inv_l[:, None], mask=o_ok[:, None])
+        tl.store(o_ptrs + DC, acc1 * inv_l[:, None], mask=o_ok[:, None])
+        tl.store(o_ptrs + 2 * DC, acc2 * inv_l[:, None], mask=o_ok[:, None])
+        tl.store(o_ptrs + 3 * DC, acc3 * inv_l[:, None], mask=o_ok[:, None])
     else:
         offs_c = tl.arange(0, D_LATENT)
         q_nope = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
@@ -201,7 +203,7 @@ def _mla_split_kernel(
             acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], DOT_UPCAST)
         inv_l = _inv_l(l_i, kv_scale)
         o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
-        tl.store(o_row[:, None] + offs_c[None, :], acc * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(o_row[:, None] + offs_c[None, :], acc * inv_l[:, None], mask=o_ok[:, None])
 
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
@@ -235,8 +237,11 @@ def _mla_combine_kernel(
     o_base = o_part_ptr + b * stride_pb + qi * stride_pt + h * stride_ph
     acc = tl.zeros([D_LATENT], dtype=tl.float32)
     for s in range(num_splits):
-        weight = tl.exp(tl.load(lse_base + s * stride_qs) - m_safe) * inv_total
-        acc += weight * tl.load(o_base + s * stride_ps + offs_c)
+        lse_one = tl.load(lse_base + s * stride_qs)
+        weight = tl.exp(lse_one - m_safe) * inv_total
+        # empty splits (lse -inf) never wrote their partial: do not read it
+        written = tl.zeros([D_LATENT], dtype=tl.float32) + lse_one > float("-inf")
+        acc += weight * tl.load(o_base + s * stride_ps + offs_c, mask=written, other=0.0)
     tl.store(out_ptr + b * stride_ob + qi * stride_ot + h * stride_oh + offs_c, acc)
     lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(lse_ptr + b * stride_lb + qi * stride_lt + h * stride_lh, lse)

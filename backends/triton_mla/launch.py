@@ -52,6 +52,9 @@ class LaunchParams:
         num_splits: programs along the KV axis of one request (flash-decoding).
         split_d: handle the 512 latent columns as four blocks of 128 (four accumulators;
             FP8 tiles are cast one block at a time, which lowers register pressure).
+        split_items: KV tokens (dense) or top-k slots (sparse) per split, a multiple of
+            block_n; `num_splits x split_items` must cover the longest request. 0 derives it
+            from the block-table capacity (dense) or top-k (sparse) at launch.
     """
 
     block_h: int = 64
@@ -60,6 +63,7 @@ class LaunchParams:
     num_stages: int = 2
     num_splits: int = 1
     split_d: bool = False
+    split_items: int = 0
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -106,27 +110,58 @@ TILE_TABLE = {
 }
 
 
+def balanced_splits(*, batch: int, m_blocks: int, max_items: int, total_items: int, num_sms: int,
+                    block_n: int, min_split_tokens: int, waves: int) -> tuple[int, int]:
+    """(num_splits, split_items) giving about `waves x SMs` programs of equal work.
+
+    Splits have a fixed size, so a ragged batch gives its long requests more
+    splits instead of giving every request the same count (whose programs then
+    differ in length by the length ratio). The workspace bound holds:
+    `batch x num_splits <= batch + 4 x SMs`.
+    """
+    work = total_items * m_blocks
+    split_items = max(min_split_tokens, triton.cdiv(work, waves * num_sms))
+    split_items = triton.cdiv(split_items, block_n) * block_n
+    cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
+    num_splits = min(triton.cdiv(max_items, split_items), cap)
+    split_items = triton.cdiv(triton.cdiv(max_items, num_splits), block_n) * block_n
+    return num_splits, split_items
+
+
 def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                     sparse: bool = False) -> LaunchParams:
-    """Launch parameters for one `TILE_TABLE` entry, the split count chosen for this shape."""
+                     sparse: bool = False, total_items: int | None = None) -> LaunchParams:
+    """Launch parameters for one `TILE_TABLE` entry, the splits chosen for this shape.
+
+    With `total_items` (the sum of the lengths, known in `prepare`) splits are
+    balanced by work; without it (no host sync allowed) every request gets the
+    same split count over the block table's capacity.
+    """
     block_h, block_n, num_warps, num_stages, split_d, waves = tile
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
+    min_split = 256 if block_h < 64 else 512
+    if total_items is not None:
+        splits, split_items = balanced_splits(batch=batch, m_blocks=m_blocks, max_items=max_items,
+                                              total_items=total_items, num_sms=num_sms, block_n=block_n,
+                                              min_split_tokens=min_split, waves=waves)
+        return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
-                           min_split_tokens=256 if block_h < 64 else 512, waves=waves)
+                           min_split_tokens=min_split, waves=waves)
     return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d)
 
 
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                   sparse: bool = False, kv_fp8: bool = False) -> LaunchParams:
+                   sparse: bool = False, kv_fp8: bool = False,
+                   total_items: int | None = None) -> LaunchParams:
     """The heuristic: tiles from `TILE_TABLE` by head rows, splits from batch x length x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
+        total_items: the sum of the lengths (dense) or batch x top-k (sparse), when known.
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     tile = TILE_TABLE[("fp8" if kv_fp8 else "16bit", rows_bucket(rows))]
     return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
-                            num_sms=num_sms, sparse=sparse)
+                            num_sms=num_sms, sparse=sparse, total_items=total_items)
 
 
 def m_blocks_of(params: LaunchParams, *, num_heads: int, q_len: int, sparse: bool) -> int:
@@ -176,6 +211,10 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     tk_strides = (topk_indices.stride(0), topk_indices.stride(1)) if sparse else (0, 0)
 
     splits = params.num_splits
+    split_items = params.split_items
+    if split_items <= 0:
+        capacity = topk if sparse else block_table.shape[1] * page_size
+        split_items = triton.cdiv(triton.cdiv(capacity, splits), params.block_n) * params.block_n
     if splits > 1:
         o_dst, l_dst = workspace.o_part, workspace.lse_part
         o_strides = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), o_dst.stride(3))
@@ -195,7 +234,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         block_table.stride(0),
         *tk_strides,
         *o_strides, *l_strides,
-        num_heads, topk, splits,
+        num_heads, topk, split_items,
         Q_LEN=q_len, PAGE_SIZE=page_size, D_LATENT=D_LATENT, D_ROPE=D_ROPE,
         BLOCK_H=params.block_h, BLOCK_N=params.block_n,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,

@@ -72,9 +72,30 @@ def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=N
     }
 
 
+def _adapter_case(problem: Problem, shape: Shape, *, device) -> dict:
+    """TRITON_MLA(_SPARSE) through prepare/run with the default (work-balanced) splits."""
+    from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
+
+    inputs = make_inputs(problem, shape, device=device, seed=11)
+    prepared = (TritonMLASparse if problem.sparse else TritonMLA)().prepare(problem, inputs)
+    out, lse = prepared.run(inputs)
+    ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
+                                     topk_indices=inputs.topk_indices)
+    return {"rel_err": _rel_err(out, ref_out), "lse_err": float((lse - ref_lse).abs().max()),
+            "nan": bool(out.isnan().any()), "unseen_rows_ok": True, "out_dtype_ok": True,
+            "num_splits": prepared.params.num_splits}
+
+
+ADAPTER_CASES = {
+    "adapter_bf16_h5_ragged_balanced_splits": (dict(num_heads=5, page_size=16), (3, 1100)),
+}
+
+
 def _worker() -> None:
     """Subprocess entry: run CPU_CASES under TRITON_INTERPRET=1, print JSON."""
-    results = {}
+    results = {name: _adapter_case(Problem(**kw), Shape(*shape), device="cpu")
+               for name, (kw, shape) in ADAPTER_CASES.items()}
     for name, (kwargs, shape, lens, params, scale_tensor) in CPU_CASES.items():
         results[name] = _run_case(Problem(**kwargs), Shape(*shape), device="cpu", seq_lens=lens,
                                   params=params, scale_tensor=scale_tensor)
@@ -90,7 +111,7 @@ def interpreted_results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", sorted(CPU_CASES))
+@pytest.mark.parametrize("case", sorted(CPU_CASES) + sorted(ADAPTER_CASES))
 def test_interpreted_kernel_matches_reference(interpreted_results, case):
     result = interpreted_results[case]
     tol = FP8_TOL if "fp8" in case else BF16_TOL
@@ -99,6 +120,11 @@ def test_interpreted_kernel_matches_reference(interpreted_results, case):
     assert result["lse_err"] < 1e-2, result
     assert result["unseen_rows_ok"], "rows with no visible key must give out 0 and lse -inf"
     assert result["out_dtype_ok"]
+
+
+def test_adapter_splits_a_ragged_batch_by_work(interpreted_results):
+    # 3 requests of 275..1100 tokens on 4 interpreter "SMs": fixed-size splits, several per request
+    assert interpreted_results["adapter_bf16_h5_ragged_balanced_splits"]["num_splits"] > 1
 
 
 def test_empty_request_gives_zero_output_and_minus_inf_lse(interpreted_results):
