@@ -199,6 +199,8 @@ class _FlashInferMLA:
         if problem.sparse != self.sparse:
             kind = "sparse" if problem.sparse else "dense"
             raise BackendUnavailable(f"{self.name} does not run {kind} problems")
+        if not inputs.q.is_cuda:
+            raise BackendUnavailable(f"{self.name} needs CUDA tensors, got q on {inputs.q.device}")
         try:
             from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
         except Exception as exc:  # ImportError, or a broken install raising anything

@@ -9,6 +9,7 @@ metadata must pass it too.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -18,11 +19,21 @@ from mla_tune.backends.flashinfer_mla import (FlashInferFA2, FlashInferFA2Sparse
                                               dense_csr, kv_cache_view, sparse_csr,
                                               sparse_token_slots)
 from mla_tune.backends.inputs import make_inputs
+from mla_tune.backends.interface import BackendUnavailable
 from mla_tune.backends.problem import Geometry, Problem, Shape
 from mla_tune.backends.reference import mla_reference
 from mla_tune.backends.registry import BACKENDS, load_adapter
 
 SMALL = Geometry(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_flashinfer():
+    """Unload FlashInfer after this module: other tests assert that lookups never import it."""
+    before = set(sys.modules)
+    yield
+    for name in [n for n in sys.modules if n not in before and n.split(".")[0] == "flashinfer"]:
+        del sys.modules[name]
 
 
 def attend_csr(q, kv_view, meta, *, sm_scale, kv_lora_rank, kv_scale=None):
@@ -114,6 +125,11 @@ def test_prepare_refuses_wrong_shape_before_any_gpu_work():
         FlashInferFA3().prepare(problem, collapsed)
     with pytest.raises(ValueError, match="q has shape"):
         FlashInferFA2().prepare(problem.replace(num_heads=8), inputs)
+    with pytest.raises(BackendUnavailable, match="needs CUDA tensors"):
+        FlashInferFA3().prepare(problem, inputs)
+    with pytest.raises(BackendUnavailable, match="does not run sparse"):
+        FlashInferFA3().prepare(problem.replace(topk=16), make_inputs(problem.replace(topk=16),
+                                                                      Shape(2, 40)))
 
 
 def test_metadata_passes_flashinfers_own_csr_validation():

@@ -7,6 +7,8 @@ without a GPU) and their meaning against the float32 reference.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -26,6 +28,15 @@ DEVICES = {"sm80": DeviceSpec("NVIDIA A100-SXM4-80GB", (8, 0)),
            "sm90": DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0)),
            "sm100": DeviceSpec("NVIDIA B200", (10, 0)),
            "sm120": DeviceSpec("NVIDIA RTX PRO 6000 Blackwell", (12, 0))}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_flashinfer():
+    """Unload FlashInfer after this module: other tests assert that lookups never import it."""
+    before = set(sys.modules)
+    yield
+    for name in [n for n in sys.modules if n not in before and n.split(".")[0] == "flashinfer"]:
+        del sys.modules[name]
 
 
 @pytest.mark.parametrize("device", ["sm80", "sm89", "sm90"])
