@@ -121,6 +121,20 @@ def test_truncated_database_is_left_untouched(tmp_path, cut):
     assert file_digest(str(path)) == digest
 
 
+def test_corrupt_schema_page_is_left_untouched(tmp_path):
+    path = tmp_path / "mla.db"
+    url = _store_with_data(path)
+    with open(path, "r+b") as f:
+        f.seek(100)                       # keep the 100-byte header, garble the schema page
+        f.write(os.urandom(4096 - 100))
+    digest = file_digest(str(path))
+    for attempt in (lambda: find_decisions(url, sku=H100.sku), lambda: Store.open(url)):
+        with pytest.raises(StoreError, match="is corrupt or truncated|is not an SQLite database") as info:
+            attempt()
+        _assert_one_line(info.value)
+    assert file_digest(str(path)) == digest
+
+
 def test_directory_at_the_path(tmp_path):
     path = tmp_path / "mla.db"
     path.mkdir()
