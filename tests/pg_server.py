@@ -113,7 +113,18 @@ def start_server() -> PgServer:
     except BaseException:
         server.stop()
         raise
+    _watchdog(server)
     return server
+
+
+def _watchdog(server: PgServer) -> None:
+    """Stop the server and remove its directory if this process dies without doing so (killed run)."""
+    stop = " ".join(server._cmd(os.path.join(server.bindir, "pg_ctl"), "-D", server.data, "-m", "immediate",
+                                "-w", "stop"))
+    script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; "
+              f"if [ -e {server.data}/postmaster.pid ]; then {stop}; fi; rm -rf {server.root}")
+    subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def create_database(admin_url: str, name: str) -> None:
