@@ -110,3 +110,18 @@ def test_lookup_query_searches_an_index(tmp_path, by):
     sql, params = _query(sku=H100.sku if by == "sku" else None, device_name=H100.name, key_fields=fields)
     plan = " ".join(row[3] for row in sqlite3.connect(path).execute("EXPLAIN QUERY PLAN " + sql, params))
     assert "SEARCH d USING INDEX" in plan, plan
+
+
+@pytest.mark.postgres
+def test_postgres_lookup_imports_no_sqlalchemy_and_accepts_plain_urls(pg_url):
+    with Store.open(pg_url) as store:
+        store.save_decision(decision(key()))
+    plain = pg_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    code = (
+        "import json, sys\n"
+        "from mla_tune.store.readonly import find_decisions\n"
+        f"found = [d.winner for url in ({pg_url!r}, {plain!r}) for d in find_decisions(url, sku={H100.sku!r})]\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'alembic', 'torch'))\n"
+        "print(json.dumps({'winners': found, 'heavy': heavy}))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout) == {"winners": ["FLASHINFER_FA3_MLA"] * 2, "heavy": []}
