@@ -24,7 +24,7 @@ from mla_tune.tuner.presets import KeyWork
 # inputs, the reference and the gate per backend, plus the timing cap.
 UNIT_OVERHEAD_S = 0.5
 GATE_S_PER_BACKEND = 0.1
-# First use of a backend compiles (FlashInfer JIT: about 25 s per module on a fresh machine).
+# First use of a FlashInfer backend compiles a module (about 25 s on a fresh machine).
 JIT_S_PER_BACKEND = 30.0
 _DONE_STATUSES = ("ok", "failed", "incorrect", "timeout", "ineligible")
 
@@ -98,12 +98,15 @@ def plan_units(plans: Sequence[KeyPlan], gpus: Sequence[str]) -> list[Unit]:
 
 
 def estimate_s(plans: Sequence[KeyPlan], *, max_seconds: float, n_gpus: int = 1,
-               compile_backends: bool = True) -> float:
-    """Expected wall seconds for the plan (JIT once per backend when `compile_backends`)."""
+               jit_prefixes: Sequence[str] = ("FLASHINFER",)) -> float:
+    """Expected wall seconds for the plan, with one cold JIT build when a JIT backend is in it.
+
+    The builds run in parallel before timing (`prewarm.py`), so they cost about one build's time.
+    """
     total = 0.0
     backends: set[str] = set()
     for plan in plans:
         total += len(plan.todo) * unit_estimate_s(len(plan.backends), max_seconds)
         backends.update(plan.backends)
-    jit = JIT_S_PER_BACKEND * len(backends) if compile_backends else 0.0
+    jit = JIT_S_PER_BACKEND if any(b.startswith(tuple(jit_prefixes)) for b in backends) else 0.0
     return total / max(1, n_gpus) + jit

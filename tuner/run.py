@@ -400,7 +400,8 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
             plans = build_plans(spec, store, group[0], fp, options, report)
             work.append((group, plans, fp))
         all_plans = [p for _, plans, _ in work for p in plans]
-        report.estimate_s = sum(estimate_s(plans, max_seconds=max_seconds, n_gpus=len(group))
+        report.estimate_s = sum(estimate_s(plans, max_seconds=max_seconds, n_gpus=len(group),
+                                           jit_prefixes=options.jit_prefixes if options.prewarm else ())
                                 for group, plans, _ in work)
         if on_plan is not None:
             on_plan(all_plans, report.estimate_s)

@@ -63,3 +63,42 @@ def test_a_busy_gpu_is_reported_and_not_timed(cli, tmp_path, two_gpus):
     assert "GPU 1 (NVIDIA H100 80GB HBM3) is busy and will not be timed" in result.stderr
     assert "no idle GPU to time" in result.stderr
     assert not db.exists()
+
+
+def test_main_job_tunes_and_prints_the_decision_table(cli, tmp_path, monkeypatch):
+    """`mla-tune` with no command, end to end on CPU: real workers and store, fake backends and timing."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from mla_tune.tuner import presets, run
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tuner"))
+    from fake_mla_backends import ADAPTERS
+
+    monkeypatch.setattr(probe, "probe_devices", lambda **_: [GPUS[0]])
+    monkeypatch.setattr(probe, "device_busy_reasons", lambda index, **_: [])
+    monkeypatch.setenv("MLA_TUNE_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("MLA_TUNE_FAKE_MS", json.dumps({"FAKE_GOOD": 1.0, "FAKE_OTHER": 1.5}))
+    real = run.TuneOptions
+
+    def fake_options(**kw):
+        return dataclasses.replace(real(**kw), worker_device="cpu", progress=False, max_seconds=0.05,
+                                   adapters={n: ADAPTERS[n] for n in ("FAKE_GOOD", "FAKE_OTHER", "FAKE_LIAR")},
+                                   bench="fake_mla_backends:fake_bench", static_choice="FAKE_OTHER")
+
+    monkeypatch.setattr(run, "TuneOptions", fake_options)
+    # The default preset, on a two-shape grid so that the CPU run stays short.
+    monkeypatch.setitem(presets.GRIDS, "default", ((1, 2), (64,), ()))
+    db = tmp_path / "t.db"
+    result = cli("--db", f"sqlite:///{db}", "tune", "--heads", "16,32,64,128")
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "Decisions (key, winner, margin over the runner-up, vLLM's static choice, anomalies)" in out
+    assert out.count("FAKE_GOOD") >= 4 and "50.0% over FAKE_OTHER" in out
+    assert "FAKE_LIAR cannot win: incorrect at batch" in out
+    assert "Measured 16 of 16 shape(s)" in out and "Time went to: worker start" in out
+    again = cli("--db", f"sqlite:///{db}")                 # the main job: everything is tuned already
+    assert again.exit_code == 0, again.stderr
+    assert "8 key(s) already tuned with this software were skipped" in again.stdout
+    assert "Measured 0 of 0 shape(s)" in again.stdout
