@@ -102,3 +102,18 @@ def test_default_store_lives_in_the_user_data_directory(cli, isolated_store):
     result = cli("db", "upgrade")
     assert result.exit_code == 0
     assert (isolated_store / "mla-tune" / "mla-tune.db").exists()
+
+
+def test_unwritable_data_directory_is_one_line_exit_1(cli, tmp_path, files_under, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the data directory should be")
+    before = files_under(tmp_path)
+    explicit = cli("--db", f"sqlite:///{blocker}/mla-tune/x.db", "db", "upgrade")
+    assert explicit.exit_code == 1 and explicit.stderr.count("\n") == 1
+    assert "cannot create the data directory" in explicit.stderr
+    monkeypatch.setenv("XDG_DATA_HOME", str(blocker))  # the default store under an unusable directory
+    default = cli("db", "upgrade")
+    assert default.exit_code == 1 and default.stderr.startswith("mla-tune: error: ")
+    lookup = cli("lookup", "--heads", "64", "--kv-cache-dtype", "bf16", "--device-name", "NVIDIA H200", "--cc", "9.0")
+    assert lookup.exit_code == 0 and lookup.stdout.startswith("FLASH_ATTN_MLA (fallback)")
+    assert files_under(tmp_path) == before
