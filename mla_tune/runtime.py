@@ -296,6 +296,8 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
         stale = []
         for decision in decisions:
             problems = _compatible(decision.fingerprint, current)
+            if decision.winner not in BACKENDS:
+                problems.append(f"its winner {decision.winner!r} is not a backend this mla-tune knows")
             if not problems:
                 return _tuned_choice(decision, key, problem, spec, vllm_choice)
             stale.append("; ".join(problems))
@@ -353,6 +355,6 @@ def _tuned_choice(decision, key, problem, spec, vllm_choice) -> Choice:
         if decision.margin is not None and decision.runner_up else ""
     why = f"tuned on {decision.key.sku} at {decision.decided_at or 'an unknown time'}{margin}"
     return Choice(backend=winner, source="tuned", reasons=types.MappingProxyType(reasons), why=why,
-                  key=types.MappingProxyType(key.to_dict()),
+                  key=types.MappingProxyType(decision.key.to_dict()),
                   static_choice=decision.static_choice or vllm_choice, runner_up=decision.runner_up,
                   margin=decision.margin, decided_at=decision.decided_at)

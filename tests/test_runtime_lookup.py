@@ -357,3 +357,14 @@ def test_malformed_url_in_python_is_a_store_warning_not_an_exception(caplog):
     with caplog.at_level(logging.WARNING, logger="mla_tune"):
         choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db="mysql://somewhere/db")
     assert choice.source == "fallback" and choice.warnings
+
+
+def test_tuned_choice_reports_the_stored_key_and_skips_unknown_winners(tmp_path):
+    url = tuned_db(tmp_path / "k.db", decision_for(H100))
+    choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
+    assert choice.key["sku"] == H100.sku  # the full SKU it was tuned on, though only name and cc were given
+    with sqlite3.connect(tmp_path / "k.db") as connection:
+        connection.execute("UPDATE decisions SET winner = 'SOME_FUTURE_MLA'")
+    clear_cache()
+    choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
+    assert choice.source == "fallback" and "SOME_FUTURE_MLA" in choice.why
