@@ -10,14 +10,19 @@
 #     show_second.json   the same after the second (warm) default tune, a separate store
 #     stability.txt      bench/tuner_stability.py on the two (2% / 95% / noise criteria)
 #     show_quick.json    `mla-tune show --json` of the --quick tune
+#     show_multi_gpu.json  the same for `--gpus all` (stage 5, two or more GPUs)
 #
-# Stages (each guarded by `timeout`, together 550 s, so the call fits in 600 s):
-#  1. cold: fresh FlashInfer and Triton caches, `mla-tune tune --budget-s 265` (the default
+# Stages (each guarded by `timeout`; 1-4 together 525 s, so one call of 600 s fits them):
+#  1. cold: fresh FlashInfer and Triton caches, `mla-tune tune --budget-s 255` (the default
 #     preset; the budget makes an over-long run stop and say so instead of being killed) into store 1;
 #  2. warm: same caches, the no-argument main job `mla-tune` into store 2 (a separate store, so
 #     nothing is skipped as already tuned): the JIT-warm time and the decision-stability re-run;
 #  3. quick: `mla-tune tune --quick` warm, into store 3;
-#  4. resume: `--quick --budget-s 8` into store 4 (stops early), then `--resume` finishes it.
+#  4. resume: a 2-key quick tune with `--budget-s 20` into store 4 (stops early), then `--resume`
+#     finishes it; prints how many (key, backend, shape) were measured twice (must be 0);
+#  5. (only with 2+ GPUs) `--gpus all --quick` into store 5: parallel workers, one shared
+#     decision per key from both GPUs, a slower GPU reported. On nvidia-h200-x2: STAGES=5.
+# STAGES (default "1 2 3 4 5") picks stages; 2 needs 1's show_first.json for the stability check.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -59,26 +64,47 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$TIMES"
 mla probe
 
-stage "1 cold default tune" 280 --db "sqlite:///$WORK/first.db" tune --budget-s 265
-mla --db "sqlite:///$WORK/first.db" show --json > "$OUT/show_first.json"
+STAGES=" ${STAGES:-1 2 3 4 5} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 
-stage "2 warm main job (mla-tune)" 130 --db "sqlite:///$WORK/second.db"
-mla --db "sqlite:///$WORK/second.db" show --json > "$OUT/show_second.json"
-python3 bench/tuner_stability.py "$OUT/show_first.json" "$OUT/show_second.json" | tee "$OUT/stability.txt"
+if want 1; then
+  stage "1 cold default tune" 270 --db "sqlite:///$WORK/first.db" tune --budget-s 255
+  mla --db "sqlite:///$WORK/first.db" show --json > "$OUT/show_first.json"
+fi
 
-stage "3 warm --quick tune" 60 --db "sqlite:///$WORK/quick.db" tune --quick
-mla --db "sqlite:///$WORK/quick.db" show --json > "$OUT/show_quick.json"
+if want 2; then
+  stage "2 warm main job (mla-tune)" 120 --db "sqlite:///$WORK/second.db"
+  mla --db "sqlite:///$WORK/second.db" show --json > "$OUT/show_second.json"
+  if [ -s "$OUT/show_first.json" ]; then
+    python3 bench/tuner_stability.py "$OUT/show_first.json" "$OUT/show_second.json" | tee "$OUT/stability.txt"
+  fi
+fi
 
-stage "4a --quick --budget-s 8" 30 --db "sqlite:///$WORK/resume.db" tune --quick --budget-s 8
-stage "4b --quick --resume" 50 --db "sqlite:///$WORK/resume.db" tune --quick --resume
-python3 - "$WORK/resume.db" <<'EOF' | tee -a "$TIMES"
+if want 3; then
+  stage "3 warm --quick tune" 60 --db "sqlite:///$WORK/quick.db" tune --quick
+  mla --db "sqlite:///$WORK/quick.db" show --json > "$OUT/show_quick.json"
+fi
+
+if want 4; then
+  stage "4a 2-key quick, --budget-s 20" 35 --db "sqlite:///$WORK/resume.db" tune --quick --tp 2,8 \
+    --kv-cache-dtype bf16 --budget-s 20
+  stage "4b the same with --resume" 40 --db "sqlite:///$WORK/resume.db" tune --quick --tp 2,8 \
+    --kv-cache-dtype bf16 --resume
+  python3 - "$WORK/resume.db" <<'EOF' | tee -a "$TIMES"
 import collections, sys
 from mla_tune.store.repository import Store
 with Store.open("sqlite:///" + sys.argv[1], create=False) as store:
-    rows = store.measurements()
+    rows = [m for m in store.measurements() if m.status != "ineligible"]
     twice = [k for k, n in collections.Counter((m.key, m.backend, m.batch_size, m.kv_len, m.gpu_uuid)
-                                               for m in rows if m.status != "ineligible").items() if n > 1]
+                                               for m in rows).items() if n > 1]
     print(f"resume: {len(rows)} measurements, {len(twice)} (key, backend, shape) measured twice, "
           f"{len(store.decisions())} decisions, runs {[r.status for r in store.runs()]}")
 EOF
+fi
+
+if want 5 && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  stage "5 --gpus all --quick" 200 --db "sqlite:///$WORK/multi.db" tune --quick --gpus all
+  mla --db "sqlite:///$WORK/multi.db" show --json > "$OUT/show_multi_gpu.json"
+fi
+
 echo; cat "$TIMES"

@@ -242,7 +242,8 @@ class _SkuTune:
             if result.restarts:
                 self.report.notes.append(f"GPU {device.index}: worker replaced {result.restarts} time(s) at "
                                          f"{plan.key.label}, batch {unit.shape.batch_size} x kv_len {unit.shape.kv_len}")
-            self.unit_seconds.append(max(0.0, elapsed - prep))
+            # The budget's guess of a unit excludes one-off costs (JIT, worker start).
+            self.unit_seconds.append(max(0.0, elapsed - prep - info.get("worker_start_s", 0.0)))
             self.report.units_done += 1
             self.remaining[unit.key_index] -= 1
             last = self.remaining[unit.key_index] == 0
