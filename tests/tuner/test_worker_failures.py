@@ -18,14 +18,14 @@ def test_crashes_hangs_and_lies_are_recorded_and_the_good_backends_are_still_tim
     names = ("FAKE_ABORT", "FAKE_GOOD", "FAKE_LIAR", "FAKE_SEGFAULT", "FAKE_HANG", "FAKE_RAISE", "FAKE_OTHER")
     task = ShapeTask(Problem(num_heads=4, kv_cache_dtype="fp8"), Shape(2, 100), names,
                      adapters=tuple(ADAPTERS.items()))
-    with Worker(device="cpu", bench=BENCH, timeouts_s={"prepare": 2.0}, log_dir=tmp_path) as worker:
+    with Worker(device="cpu", bench=BENCH, timeouts_s={"prepare": 3.0}, log_dir=tmp_path) as worker:
         result = worker.run_shape(task)
     out = result.outcomes
     assert set(out) == set(names)
     assert out["FAKE_ABORT"].status == "failed"
     assert "SIGABRT" in out["FAKE_ABORT"].reason and "device-side assertion failed" in out["FAKE_ABORT"].reason
     assert out["FAKE_SEGFAULT"].status == "failed" and "SIGSEGV" in out["FAKE_SEGFAULT"].reason
-    assert out["FAKE_HANG"].status == "timeout" and "no progress for 2 s during prepare" in out["FAKE_HANG"].reason
+    assert out["FAKE_HANG"].status == "timeout" and "no progress for 3 s during prepare" in out["FAKE_HANG"].reason
     assert out["FAKE_RAISE"].status == "failed"
     assert "RuntimeError: fake library cannot plan this problem" in out["FAKE_RAISE"].reason
     assert out["FAKE_LIAR"].status == "incorrect" and out["FAKE_LIAR"].rel_error > 0.05
