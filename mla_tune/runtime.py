@@ -115,7 +115,7 @@ def lookup(num_heads, kv_cache_dtype, *, device=None, sparse=False, db=None, pag
         db: SQLAlchemy URL of the store; None = `$MLA_TUNE_DB` or the default file.
         page_size: KV-cache tokens per page.
         query_dtype: the model dtype, `bf16` or `fp16`.
-        topk: sparse top-k (default 2048 when `sparse`).
+        topk: sparse top-k (default 2048 when `sparse`; giving it implies `sparse`).
         geometry: a `Geometry` (default DeepSeek 512/64/128/128).
         q_len: query tokens per request (2 with MTP).
 
