@@ -148,10 +148,10 @@ def check_and_time(case: Case, adapter) -> dict:
 
 # rows bucket (q_len x heads, rounded up) -> candidate (block_h, block_n, num_warps, num_stages), prior first
 # rows bucket -> candidate tiles (block_h, block_n, num_warps, num_stages, split_d, waves), prior first
-_BIG = [(64, 64, 8, 2, True, 2), (64, 32, 8, 2, True, 2)]
+_BIG = [(64, 64, 8, 2, True, 2, False, 512), (64, 32, 8, 2, True, 2, False, 512)]
 BUCKET_CONFIGS = {
-    16: [(16, 32, 4, 2, True, 2), (16, 32, 4, 2, False, 2)],
-    32: [(32, 32, 4, 2, False, 2), (16, 32, 4, 2, True, 2)],
+    16: [(16, 32, 4, 2, True, 2, False, 256), (16, 32, 4, 2, False, 2, False, 256)],
+    32: [(32, 32, 4, 2, False, 2, False, 256), (16, 32, 4, 2, True, 2, False, 256)],
     64: _BIG,
     128: _BIG,
 }
@@ -202,7 +202,7 @@ def sweep(args, bw, mm):
             roof = case.roofline_us(bw, mm)
             waves_timed = []
             for waves in (1, 2, 4):
-                tile = winner[:5] + (waves,)
+                tile = winner[:5] + (waves,) + winner[6:]
                 params = params_for(tile, case)
                 r = check_and_time(case, TritonMLA(params))
                 log("sweep " + fmt_line(case, params.label(), r, roof, str(tile)))
@@ -215,6 +215,42 @@ def sweep(args, bw, mm):
             best[(kind, 128)] = best[(kind, 64)]
     log(f"# sweep winners: {best}")
     return best
+
+
+# (heads, batch, kv_len) -> candidate tiles per KV kind; the first is the call-2 default
+COMPARE_SHAPES = [(16, 64, 4096), (64, 64, 4096), (128, 64, 4096), (32, 64, 4096), (16, 1, 4096),
+                  (64, 1, 4096), (64, 4, 16384), (128, 1, 16384), (16, 16, 16384)]
+OLD = {("16bit", 16): (16, 32, 4, 2, True, 2, False, 256), ("16bit", 32): (32, 32, 4, 2, False, 2, False, 256),
+       ("16bit", 64): (64, 64, 8, 2, True, 2, False, 512), ("fp8", 16): (16, 32, 4, 2, False, 2, False, 256),
+       ("fp8", 32): (32, 32, 4, 2, False, 2, False, 256), ("fp8", 64): (64, 64, 8, 2, True, 2, False, 512)}
+OLD[("16bit", 128)], OLD[("fp8", 128)] = OLD[("16bit", 64)], OLD[("fp8", 64)]
+NEW_CANDIDATES = {
+    ("16bit", 16): [(16, 32, 4, 2, True, 2, False, 128)],
+    ("16bit", 32): [(16, 32, 4, 2, True, 2, False, 128), (32, 32, 4, 2, True, 2, True, 128)],
+    ("16bit", 64): [(64, 64, 8, 2, True, 2, False, 256), (64, 64, 8, 2, True, 2, True, 256)],
+    ("fp8", 16): [(16, 16, 4, 2, True, 2, True, 128), (16, 32, 4, 2, True, 2, True, 128),
+                  (16, 32, 4, 2, False, 2, True, 128)],
+    ("fp8", 32): [(16, 16, 4, 2, True, 2, True, 128), (32, 32, 4, 2, True, 2, True, 128)],
+    ("fp8", 64): [(64, 64, 8, 2, True, 2, True, 256), (64, 32, 8, 2, True, 2, True, 256)],
+}
+NEW_CANDIDATES[("16bit", 128)], NEW_CANDIDATES[("fp8", 128)] = NEW_CANDIDATES[("16bit", 64)], NEW_CANDIDATES[("fp8", 64)]
+
+
+def compare(args, bw, mm):
+    """Old default tile vs new candidates on a few shapes, side by side in one process."""
+    for heads, batch, kv_len in COMPARE_SHAPES:
+        for kv_dtype in ("fp8_e4m3", "bf16"):
+            if time.time() - T0 > args.budget_s:
+                log("# compare budget reached")
+                return
+            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(batch, kv_len))
+            roof = case.roofline_us(bw, mm)
+            key = (kv_kind(kv_dtype), bucket(heads))
+            for i, tile in enumerate([OLD[key]] + NEW_CANDIDATES[key]):
+                params = params_for(tile, case)
+                r = check_and_time(case, TritonMLA(params))
+                log("cmp " + fmt_line(case, params.label(), r, roof, ("old " if i == 0 else "new ") + str(tile)))
+            case.free()
 
 
 def fmt_line(case, name, r, roof, tag=""):
@@ -321,7 +357,7 @@ def summarize(summary):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all"])
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -345,6 +381,8 @@ def main():
     RESULT_FILE = args.out
     log(head[0])
     table = None
+    if args.mode == "compare":
+        compare(args, bw, mm)
     if args.mode in ("sweep", "all"):
         table = sweep(args, bw, mm)
     if args.mode in ("grid", "all"):

@@ -58,9 +58,14 @@ def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
 
 
 @triton.jit
-def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.constexpr):
+def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.constexpr,
+             LAST_USE: tl.constexpr = False):
     """Columns `col0 + offs` of the tile, zero for invalid tokens; FP8 cast to `dtype` (exact)."""
-    k = tl.load(kv_row[:, None] + col0 + offs[None, :], mask=tok_ok[:, None], other=0.0)
+    if LAST_USE:  # a distinct load (not merged with an identical earlier one), evicted first
+        k = tl.load(kv_row[:, None] + col0 + offs[None, :], mask=tok_ok[:, None], other=0.0,
+                    eviction_policy="evict_first")
+    else:
+        k = tl.load(kv_row[:, None] + col0 + offs[None, :], mask=tok_ok[:, None], other=0.0)
     if KV_CAST:  # the per-tensor scale is applied outside the matmuls
         k = k.to(dtype)
     return k
@@ -105,7 +110,7 @@ def _mla_split_kernel(
     D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -177,6 +182,11 @@ def _mla_split_kernel(
             qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
             m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
             p = p.to(q0.dtype)
+            if RELOAD_V:  # see the unsplit loop below
+                k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
             acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
             acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
             acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
@@ -200,6 +210,10 @@ def _mla_split_kernel(
             qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
             qk = _dot(q_pe, tl.trans(k_pe), qk, DOT_UPCAST)
             m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
+            if RELOAD_V:
+                # A second load of the same rows (an L1/L2 hit) gives each load a single
+                # consumer, which Triton can pipeline through shared memory.
+                k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST, True)
             acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], DOT_UPCAST)
         inv_l = _inv_l(l_i, kv_scale)
         o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh

@@ -36,6 +36,7 @@ PARAM_SPACE = {
     "num_stages": (1, 2, 3),
     "min_split_tokens": (128, 256, 512, 1024),
     "waves": (1, 2, 4),
+    "reload_v": (False, True),
     "split_d": (False, True),
 }
 
@@ -52,6 +53,9 @@ class LaunchParams:
         num_splits: programs along the KV axis of one request (flash-decoding).
         split_d: handle the 512 latent columns as four blocks of 128 (four accumulators;
             FP8 tiles are cast one block at a time, which lowers register pressure).
+        reload_v: load the tile a second time for `p @ v` (an L1/L2 hit): with one consumer
+            per load Triton pipelines both through shared memory, which it does not do for
+            an FP8 tile cast for two different MMA operand layouts.
         split_items: KV tokens (dense) or top-k slots (sparse) per split, a multiple of
             block_n; `num_splits x split_items` must cover the longest request. 0 derives it
             from the block-table capacity (dense) or top-k (sparse) at launch.
@@ -64,10 +68,11 @@ class LaunchParams:
     num_splits: int = 1
     split_d: bool = False
     split_items: int = 0
+    reload_v: bool = False
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
-                f"s{self.num_stages}{'d' if self.split_d else ''}x{self.num_splits}")
+                f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}x{self.num_splits}")
 
 
 def sm_count(device: torch.device) -> int:
@@ -96,17 +101,16 @@ def rows_bucket(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
 
 
-# (KV kind, rows bucket) -> (block_h, block_n, num_warps, num_stages, split_d, waves).
-# Measured on H100 with bench/triton_dev.py (see bench/TRITON_NOTES.md).
+# (KV kind, rows bucket) -> Tile. Chosen on H100 with bench/triton_dev.py (bench/TRITON_NOTES.md).
 TILE_TABLE = {
-    ("16bit", 16): (16, 32, 4, 2, True, 2),
-    ("16bit", 32): (32, 32, 4, 2, False, 2),
-    ("16bit", 64): (64, 64, 8, 2, True, 2),
-    ("16bit", 128): (64, 64, 8, 2, True, 2),
-    ("fp8", 16): (16, 32, 4, 2, False, 2),
-    ("fp8", 32): (32, 32, 4, 2, False, 2),
-    ("fp8", 64): (64, 32, 8, 2, True, 2),
-    ("fp8", 128): (64, 32, 8, 2, True, 2),
+    ("16bit", 16): (16, 32, 4, 2, True, 2, False, 128),
+    ("16bit", 32): (32, 32, 4, 2, False, 2, False, 128),
+    ("16bit", 64): (64, 64, 8, 2, True, 2, False, 256),
+    ("16bit", 128): (64, 64, 8, 2, True, 2, False, 256),
+    ("fp8", 16): (16, 16, 4, 2, True, 2, True, 128),
+    ("fp8", 32): (32, 32, 4, 2, False, 2, False, 128),
+    ("fp8", 64): (64, 64, 8, 2, True, 2, True, 256),
+    ("fp8", 128): (64, 64, 8, 2, True, 2, True, 256),
 }
 
 
@@ -132,21 +136,24 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
                      sparse: bool = False, total_items: int | None = None) -> LaunchParams:
     """Launch parameters for one `TILE_TABLE` entry, the splits chosen for this shape.
 
+    A tile is `(block_h, block_n, num_warps, num_stages, split_d, waves, reload_v,
+    min_split_tokens)`.
+
     With `total_items` (the sum of the lengths, known in `prepare`) splits are
     balanced by work; without it (no host sync allowed) every request gets the
     same split count over the block table's capacity.
     """
-    block_h, block_n, num_warps, num_stages, split_d, waves = tile
+    block_h, block_n, num_warps, num_stages, split_d, waves, reload_v, min_split = tile
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
-    min_split = 256 if block_h < 64 else 512
     if total_items is not None:
         splits, split_items = balanced_splits(batch=batch, m_blocks=m_blocks, max_items=max_items,
                                               total_items=total_items, num_sms=num_sms, block_n=block_n,
                                               min_split_tokens=min_split, waves=waves)
-        return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items)
+        return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items,
+                            reload_v)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=min_split, waves=waves)
-    return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d)
+    return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, 0, reload_v)
 
 
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
@@ -238,7 +245,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         Q_LEN=q_len, PAGE_SIZE=page_size, D_LATENT=D_LATENT, D_ROPE=D_ROPE,
         BLOCK_H=params.block_h, BLOCK_N=params.block_n,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
-        DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d,
+        DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
         num_warps=params.num_warps, num_stages=params.num_stages,
     )
     if splits > 1:

@@ -32,14 +32,14 @@ CPU_CASES = {
     "bf16_h20_qlen2_two_mblocks": (dict(num_heads=20, page_size=16, q_len=2), (2, 40), None,
                                    (32, 16, 4, 1, 2, True), False),
     "fp8_h5_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64), (2, 150), None,
-                             (16, 32, 4, 1, 2), False),
+                             (16, 32, 4, 2, 2, False, 0, True), False),
     "fp8_h1_scale_tensor": (dict(num_heads=1, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 33), None, None, True),
     "fp16_h3": (dict(num_heads=3, kv_cache_dtype="fp16", query_dtype="fp16", page_size=32), (2, 50), None, None,
                 False),
     "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
                              False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
-                            (16, 16, 4, 2, 1, True), False),
+                            (16, 16, 4, 2, 1, True, 0, True), False),
 }
 
 
