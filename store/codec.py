@@ -77,8 +77,18 @@ def device_from(row: Mapping[str, Any]) -> DeviceInfo:
                       pci_device_id=row["pci_device_id"])
 
 
+_MEASUREMENT_FLOATS = ("median_ms", "ci_low_ms", "ci_high_ms", "rel_error")
+
+
+def _float(value: Any) -> float | None:
+    """Floats as the database returns them (an int 1 comes back as 1.0), so identities compare equal."""
+    return None if value is None else float(value)
+
+
 def measurement_values(m: Measurement) -> dict[str, Any]:
-    return clean_text({**key_values(m.key), **{name: getattr(m, name) for name in MEASUREMENT_FIELDS}})
+    values = {**key_values(m.key), **{name: getattr(m, name) for name in MEASUREMENT_FIELDS}}
+    values.update({name: _float(values[name]) for name in _MEASUREMENT_FLOATS})
+    return clean_text(values)
 
 
 def measurement_from(row: Mapping[str, Any]) -> Measurement:
@@ -88,10 +98,11 @@ def measurement_from(row: Mapping[str, Any]) -> Measurement:
 def decision_values(d: Decision) -> dict[str, Any]:
     """Column values of a decision (without node/updated_at, which the writer adds)."""
     return clean_text({**key_values(d.key), "fingerprint_digest": d.fingerprint.digest, "winner": d.winner,
-            "runner_up": d.runner_up, "margin": d.margin, "static_choice": d.static_choice,
-            "static_score": d.static_score, "noise_margin": d.noise_margin,
-            "kept_static": bool(d.kept_static), "scores": dict(d.scores),
-            "per_shape": [asdict(s) for s in d.per_shape], "anomalies": list(d.anomalies),
+            "runner_up": d.runner_up, "margin": _float(d.margin), "static_choice": d.static_choice,
+            "static_score": _float(d.static_score), "noise_margin": _float(d.noise_margin),
+            "kept_static": bool(d.kept_static), "scores": {k: float(v) for k, v in d.scores.items()},
+            "per_shape": [{**asdict(s), "median_ms": float(s.median_ms)} for s in d.per_shape],
+            "anomalies": list(d.anomalies),
             "failures": dict(d.failures), "gpu_uuids": list(d.gpu_uuids),
             "decided_at": d.decided_at})
 
