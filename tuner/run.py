@@ -157,6 +157,7 @@ class _SkuTune:
         self.errors: list[BaseException] = []
         self.run_ids: dict[str, int] = {}
         self.stopped = False
+        self.aborted = False           # the main thread was interrupted: drop shapes in flight
         self._first_shape_done: set[int] = set()
 
     def _next_unit(self, gpu: str) -> Unit | None:
@@ -205,6 +206,8 @@ class _SkuTune:
         started = time.monotonic()
         self.progress.unit_started(plan.key, unit.shape, device)
         result = worker.run_shape(task, on_event=lambda ev: self.progress.event(device, ev))
+        if self.aborted:
+            return  # interrupted: the workers were stopped under this shape; record nothing
         rows = []
         if result.skipped_reason is not None:
             rows = [_measurement(plan.key, name, unit, Outcome("skipped", reason=result.skipped_reason),
@@ -284,6 +287,9 @@ class _SkuTune:
                 while t.is_alive():
                     t.join(timeout=0.5)
             status = "interrupted" if (self.units or self.errors) else "done"
+        except BaseException:
+            self.aborted = True
+            raise
         finally:
             with self.lock:
                 self.stopped = True

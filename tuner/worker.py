@@ -57,6 +57,9 @@ def _load(path: str | None):
 def _worker_main(conn, cuda_visible: str | None, device: str, gpu: str | None,
                  bench_path: str | None, log_path: str) -> None:
     """Entry point of the spawned worker: serve ShapeTasks until told to stop."""
+    # Ctrl-C reaches the whole process group; the parent handles it and stops the workers, so
+    # that an interrupted measurement is never recorded as a backend's failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.dup2(fd, 1)
