@@ -126,6 +126,10 @@ def translate_error(exc: BaseException, url: str, *, busy_timeout_s: float | Non
                f"directory exist and are readable, and writable for the -wal/-shm files")
     elif "no such table" in low:
         msg = f"{where} has no mla-tune tables ({text}); run `mla-tune db upgrade`"
+    elif url.startswith("postgresql") and "authentication failed" in low:
+        msg = f"the PostgreSQL server refused the credentials in {mask_url(url)}: {text}"
+    elif url.startswith("postgresql") and "database" in low and "does not exist" in low:
+        msg = f"the PostgreSQL server has no such database ({text}); create it first: {mask_url(url)}"
     elif url.startswith("postgresql") and ("connect" in low or "timeout" in low
                                             or "refused" in low or "resolve" in low):
         msg = f"cannot reach the PostgreSQL server at {mask_url(url)}: {text}"

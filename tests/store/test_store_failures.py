@@ -313,3 +313,14 @@ def test_postgres_password_from_the_environment_or_a_pgpass_file(pg_url, tmp_pat
     passfile.chmod(0o600)
     monkeypatch.setenv("PGPASSFILE", str(passfile))
     assert [d.winner for d in find_decisions(bare, sku=H100.sku)] == ["FLASHINFER_FA3_MLA"]
+
+
+@pytest.mark.postgres
+def test_missing_postgres_database_is_named(pg_url):
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url).set(database="no_such_db").render_as_string(hide_password=False)
+    for attempt in (lambda: Store.open(url), lambda: find_decisions(url, sku=H100.sku)):
+        with pytest.raises(StoreError, match="has no such database .*no_such_db.* does not exist") as info:
+            attempt()
+        assert "pg-s3cret-Pw" not in _assert_one_line(info.value)
