@@ -6,7 +6,9 @@
 2. Score = weighted geometric mean over shapes of time / best time at that
    shape (1.0 = best everywhere).
 3. vLLM's static choice is kept when its score is within the measured noise
-   margin of the best score.
+   margin of the best score; without one, among backends within the noise
+   margin of the best, a fixed preference (the registry's order) picks, so
+   that decisions do not flip between runs or nodes on noise.
 4. Anomalies: a backend whose score at one head count departs by more than
    20% from the trend of its neighbouring head counts.
 
@@ -32,6 +34,14 @@ NOISE_FLOOR = 0.005
 NOISE_CAP = 0.02
 ANOMALY_THRESHOLD = 0.20
 _DISQUALIFYING = ("failed", "incorrect", "timeout", "ineligible")
+
+
+def preference(backend: str) -> tuple:
+    """A fixed order among backends the noise cannot separate: the registry's order, then by name."""
+    from mla_tune.backends.registry import BACKENDS
+
+    order = list(BACKENDS)
+    return (order.index(backend), backend) if backend in BACKENDS else (len(order), backend)
 
 
 class NoDecision(ValueError):
@@ -110,19 +120,27 @@ def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
         scores[b] = math.exp(log_sum / total_w)
         noise_of[b] = sum(weights[s] * statistics.mean(noise[(b, s)]) for s in covered) / total_w
     ranked = sorted(backends, key=lambda b: (scores[b], b))
-    winner = ranked[0]
-    runner_up = ranked[1] if len(ranked) > 1 else None
-    noise_margin = NOISE_FLOOR
-    kept_static = False
+    fastest = ranked[0]
+
+    def noise_between(b: str) -> float:
+        return min(NOISE_CAP, max(NOISE_FLOOR, noise_of[b] + noise_of[fastest]))
+
+    def within_noise(b: str) -> bool:
+        return scores[b] <= scores[fastest] * (1.0 + noise_between(b))
+
+    winner, kept_static = fastest, False
     static_score = scores.get(static_choice) if static_choice else None
-    if static_choice and static_score is not None and static_choice != winner:
-        noise_margin = min(NOISE_CAP, max(NOISE_FLOOR, noise_of[static_choice] + noise_of[winner]))
-        if static_score <= scores[winner] * (1.0 + noise_margin):
-            kept_static = True
-            runner_up = winner
-            winner = static_choice
-    elif static_choice == winner:
-        noise_margin = min(NOISE_CAP, max(NOISE_FLOOR, 2 * noise_of[winner]))
+    if static_score is not None and static_choice != fastest and within_noise(static_choice):
+        winner, kept_static = static_choice, True
+    elif static_choice != fastest:
+        # No static choice to keep: among backends the noise cannot tell apart, a fixed
+        # preference picks, so that noise alone never flips a decision between runs or nodes.
+        winner = min((b for b in ranked if within_noise(b)), key=preference)
+    noise_margin = noise_between(winner if winner != fastest else
+                                 (static_choice if static_score is not None else fastest))
+    others = [b for b in ranked if b != winner]
+    runner_up = others[0] if others else None
+    # Negative when a slower backend was kept within noise (the static choice or the preferred one).
     margin = scores[runner_up] / scores[winner] - 1.0 if runner_up else None
     if static_choice and static_choice not in scores and static_choice not in failures:
         failures[static_choice] = "vLLM's static choice was not timed (mla-tune has no adapter for it here)"

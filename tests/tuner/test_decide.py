@@ -129,3 +129,16 @@ def test_gate_thresholds_depend_on_the_kv_dtype():
     nan[0, 0, 0, 0] = float("nan")
     assert "non-finite" in check_output(nan, lse, ref, lse, kv_cache_dtype="bf16").reason
     assert "lse differs" in check_output(ref, lse + 0.5, ref, lse, kv_cache_dtype="bf16").reason
+
+
+def test_without_a_static_choice_a_fixed_preference_breaks_ties_within_noise():
+    # ZED is 0.3% faster than ALPHA, inside the 0.5% noise floor: the fixed preference (registry
+    # order, then name) picks ALPHA on every run; 3% apart, the faster one wins.
+    tie = decide(KEY, [ok("ZED", 1, 1024, 1.000), ok("ALPHA", 1, 1024, 1.003)], static_choice="OTHER")
+    assert tie.winner == "ALPHA" and tie.runner_up == "ZED" and tie.margin == pytest.approx(1 / 1.003 - 1)
+    assert not tie.kept_static
+    clear = decide(KEY, [ok("ZED", 1, 1024, 1.00), ok("ALPHA", 1, 1024, 1.03)])
+    assert clear.winner == "ZED" and clear.margin == pytest.approx(0.03)
+    # Registry order outranks names: FLASHINFER_FA2_MLA comes before TRITON_MLA.
+    known = decide(KEY, [ok("TRITON_MLA", 1, 1024, 1.000), ok("FLASHINFER_FA2_MLA", 1, 1024, 1.002)])
+    assert known.winner == "FLASHINFER_FA2_MLA"
