@@ -43,7 +43,7 @@ def jit_tasks(plans: Sequence, *, prefixes: Sequence[str] = JIT_PREFIXES,
 
 def prewarm(tasks: Sequence[ShapeTask], *, cuda_visible: str | None, device: str, bench: str | None = None,
             timeouts_s: dict | None = None) -> tuple[float, list[str]]:
-    """Run `tasks` in parallel workers (one each); returns (wall seconds, notes on failures)."""
+    """Run `tasks` in parallel workers (one each); returns (wall seconds, notes: build times, failures)."""
     if not tasks:
         return 0.0, []
     started = time.monotonic()
@@ -55,6 +55,11 @@ def prewarm(tasks: Sequence[ShapeTask], *, cuda_visible: str | None, device: str
                         timeouts_s=timeouts_s)
         try:
             result = worker.run_shape(task)
+            secs = (result.info.get("prepare_s") or {}).get(task.backends[0])
+            if secs is not None:
+                with lock:
+                    notes.append(f"JIT warm-up of {task.backends[0]} ({task.problem.kv_cache_dtype} KV): "
+                                 f"{secs:.1f} s to prepare and run once (compile included when the cache was cold)")
             bad = {n: o for n, o in result.outcomes.items() if o.status != "ok"}
             if result.skipped_reason or bad:
                 why = result.skipped_reason or "; ".join(f"{n}: {o.status}: {o.reason}" for n, o in bad.items())
