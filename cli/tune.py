@@ -25,7 +25,7 @@ def _str_list(text: str | None) -> tuple[str, ...]:
 
 
 def select_devices(devices, gpus: str | None, *, force: bool):
-    """The GPUs to time: `--gpus all|0,2` (default: the first), idle ones unless `force`.
+    """The GPUs to time: `--gpus all|0,2` (default: the first idle one), idle ones unless `force`.
 
     Raises:
         click.BadParameter: an index that does not exist (exit 2).
@@ -34,6 +34,10 @@ def select_devices(devices, gpus: str | None, *, force: bool):
     from mla_tune.tuner.probe import device_busy_reasons
 
     if gpus is None or gpus.strip() == "":
+        # Default: the first idle GPU (a serving node may have GPU 0 busy and another free).
+        for device in devices:
+            if force or not device_busy_reasons(device.index):
+                return [device]
         chosen = devices[:1]
     elif gpus.strip().lower() == "all":
         chosen = list(devices)
@@ -169,7 +173,8 @@ def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
               help="Bound the whole run to S seconds; the most valuable keys come first.")
 @click.option("--resume", is_flag=True, help="Reuse shapes already measured by an interrupted run.")
 @click.option("--force", is_flag=True, help="Re-tune keys already tuned with this software; time busy GPUs.")
-@click.option("--gpus", metavar="all|0,2", default=None, help="GPUs to tune in parallel (default: GPU 0).")
+@click.option("--gpus", metavar="all|0,2", default=None,
+              help="GPUs to tune in parallel, one worker each (default: the first idle GPU).")
 @click.option("--workload", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Workload profile (JSON or TOML): batch_size and kv_len weights, or explicit shapes.")
 @click.option("--mtp", is_flag=True, help="Also tune q_len 2 (multi-token prediction).")

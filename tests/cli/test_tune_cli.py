@@ -102,3 +102,13 @@ def test_main_job_tunes_and_prints_the_decision_table(cli, tmp_path, monkeypatch
     assert again.exit_code == 0, again.stderr
     assert "8 key(s) already tuned with this software were skipped" in again.stdout
     assert "Measured 0 of 0 shape(s)" in again.stdout
+
+
+def test_default_gpu_is_the_first_idle_one(monkeypatch):
+    from mla_tune.cli.tune import select_devices
+
+    monkeypatch.setattr(probe, "device_busy_reasons", lambda index, **_: ["GPU 0 utilisation is 97%"]
+                        if index == 0 else [])
+    assert [d.index for d in select_devices(GPUS, None, force=False)] == [1]       # GPU 0 serves traffic
+    assert [d.index for d in select_devices(GPUS, None, force=True)] == [0]
+    assert [d.index for d in select_devices(GPUS, "all", force=False)] == [1]
