@@ -173,9 +173,12 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         free_bytes, _ = torch.cuda.mem_get_info(dev)
-        need = shape_bytes(problem, shape) * 2 + BACKEND_WORKSPACE_BYTES * len(task.backends)
+        # Inputs, plus either one rotated copy or (FP8) the bf16 draft the cache is quantised from,
+        # which is twice the FP8 cache; then each backend's workspace and outputs.
+        factor = 3 if problem.kv_cache_dtype.startswith("fp8") else 2
+        need = shape_bytes(problem, shape) * factor + BACKEND_WORKSPACE_BYTES * len(task.backends)
         if need > free_bytes * MEMORY_HEADROOM:
-            emit(("shape_skipped", f"needs about {need / 2**30:.1f} GiB for inputs, one rotated copy and "
+            emit(("shape_skipped", f"needs about {need / 2**30:.1f} GiB for inputs, a rotated copy and "
                                    f"workspaces, but only {free_bytes / 2**30:.1f} GiB of GPU memory is free"))
             return
     t0 = time.perf_counter()
