@@ -107,7 +107,7 @@ class Case:
             self.kv_bytes = tokens * 576 * base.kv_cache.element_size()
             self.flops = 2 * tokens * problem.num_heads * problem.q_len * 1088
         self.max_items = problem.topk if problem.sparse else int(lens.max())
-        self.total_items = problem.topk * shape.batch_size if problem.sparse else int(lens.sum())
+        self.lengths = [problem.topk] * shape.batch_size if problem.sparse else [int(n) for n in lens.tolist()]
 
     def roofline_us(self, bw: float, mm: float) -> float:
         return max(self.kv_bytes / bw, self.flops / mm) * 1e6
@@ -147,7 +147,9 @@ def check_and_time(case: Case, adapter) -> dict:
 
 
 # rows bucket (q_len x heads, rounded up) -> candidate (block_h, block_n, num_warps, num_stages), prior first
-# rows bucket -> candidate tiles (block_h, block_n, num_warps, num_stages, split_d, waves), prior first
+# rows bucket -> candidate tiles (block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v,
+# min_split_tokens), prior first. (Device calls 2 and 3 ran with the sixth field meaning "waves"
+# of a split rule that targeted waves x SMs programs; see bench/TRITON_NOTES.md.)
 _BIG = [(64, 64, 8, 2, True, 2, False, 512), (64, 32, 8, 2, True, 2, False, 512)]
 BUCKET_CONFIGS = {
     16: [(16, 32, 4, 2, True, 2, False, 256), (16, 32, 4, 2, False, 2, False, 256)],
@@ -169,7 +171,7 @@ def params_for(tile, case):
     """The tile's launch parameters for `case`, splits balanced exactly as the adapter does."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return params_from_tile(tile, rows=case.problem.num_heads, q_len=1, batch=case.shape.batch_size,
-                            max_items=case.max_items, num_sms=sms, total_items=case.total_items)
+                            max_items=case.max_items, num_sms=sms, lengths=case.lengths)
 
 
 def sweep(args, bw, mm):

@@ -53,15 +53,11 @@ class TritonMLA:
         if self.params is not None:
             return self.params
         batch = inputs.q.shape[0]
-        if self.sparse:
-            max_items, total_items = problem.topk, batch * problem.topk
-        else:
-            lengths = inputs.seq_lens.long()
-            max_items, total_items = int(lengths.max()), int(lengths.sum())
+        lengths = [problem.topk] * batch if self.sparse else [int(n) for n in inputs.seq_lens.tolist()]
         return default_params(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch,
-                              max_items=max(max_items, 1), num_sms=sm_count(inputs.q.device),
+                              max_items=max(max(lengths), 1), num_sms=sm_count(inputs.q.device),
                               sparse=self.sparse, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
-                              total_items=max(total_items, 1))
+                              lengths=lengths)
 
     def prepare(self, problem: Problem, inputs: DecodeInputs) -> PreparedTritonMLA:
         check_inputs(problem, inputs)

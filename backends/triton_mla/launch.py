@@ -8,7 +8,8 @@ Workspace bound (allocated once by `Workspace.allocate`, never per call): the
 split partials need `batch x num_splits x rows x 512` float32 values plus
 `batch x num_splits x rows` LSEs, where `rows = q_len x heads`. The heuristic
 keeps `num_splits <= max(1, floor(waves x SMs / (batch x m_blocks)))` with
-`waves <= 4`, so `batch x num_splits <= batch + 4 x SMs` and the partials never
+`waves <= 4` (and `balanced_splits` caps the count the same way), so
+`batch x num_splits <= batch + 4 x SMs` and the partials never
 exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 128 heads,
 q_len 2, 132 SMs and batch 1; twice the fp32 output size plus that at large batches).
 With one split the kernel writes `out`/`lse` directly and needs no workspace.
@@ -35,7 +36,7 @@ PARAM_SPACE = {
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3),
     "min_split_tokens": (128, 256, 512, 1024),
-    "waves": (1, 2, 4),
+    "per_sm": (1, 2, 3, 4),
     "reload_v": (False, True),
     "split_d": (False, True),
 }
@@ -101,74 +102,84 @@ def rows_bucket(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
 
 
-# (KV kind, rows bucket) -> Tile. Chosen on H100 with bench/triton_dev.py (bench/TRITON_NOTES.md).
+# (KV kind, rows bucket) -> tile (see `params_from_tile`). Chosen from measurements on one
+# H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
-    ("16bit", 16): (16, 32, 4, 2, True, 2, False, 128),
-    ("16bit", 32): (32, 32, 4, 2, False, 2, False, 128),
-    ("16bit", 64): (64, 64, 8, 2, True, 2, False, 256),
-    ("16bit", 128): (64, 64, 8, 2, True, 2, False, 256),
-    ("fp8", 16): (16, 16, 4, 2, True, 2, True, 128),
-    ("fp8", 32): (32, 32, 4, 2, False, 2, False, 128),
-    ("fp8", 64): (64, 64, 8, 2, True, 2, True, 256),
-    ("fp8", 128): (64, 64, 8, 2, True, 2, True, 256),
+    ("16bit", 16): (16, 32, 4, 2, True, 3, False, 128),
+    ("16bit", 32): (16, 32, 4, 2, True, 3, False, 128),   # two 16-row blocks share the tile via L2
+    ("16bit", 64): (64, 64, 8, 2, True, 1, False, 256),
+    ("16bit", 128): (64, 64, 8, 2, True, 1, False, 256),
+    ("fp8", 16): (16, 32, 4, 2, True, 2, True, 128),
+    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128),
+    ("fp8", 64): (64, 64, 8, 2, True, 1, False, 256),
+    ("fp8", 128): (64, 64, 8, 2, True, 1, False, 256),
 }
 
 
-def balanced_splits(*, batch: int, m_blocks: int, max_items: int, total_items: int, num_sms: int,
-                    block_n: int, min_split_tokens: int, waves: int) -> tuple[int, int]:
-    """(num_splits, split_items) giving about `waves x SMs` programs of equal work.
+def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: int, block_n: int,
+                    min_split_tokens: int) -> tuple[int, int]:
+    """(num_splits, split_items) that minimise the modelled makespan of a ragged batch.
 
-    Splits have a fixed size, so a ragged batch gives its long requests more
-    splits instead of giving every request the same count (whose programs then
-    differ in length by the length ratio). The workspace bound holds:
+    Splits have a fixed size `s` (a multiple of block_n), so long requests get
+    more of them. The model: `m_blocks x sum(ceil(len / s))` programs run in
+    waves of `num_sms x per_sm` resident programs and a wave lasts as long as
+    its longest program (`s` tokens), so the cost is `waves x s`; ties go to
+    the larger `s` (fewer partials to combine). The workspace bound holds:
     `batch x num_splits <= batch + 4 x SMs`.
     """
-    work = total_items * m_blocks
-    split_items = max(min_split_tokens, triton.cdiv(work, waves * num_sms))
-    split_items = triton.cdiv(split_items, block_n) * block_n
+    batch, max_len = len(lengths), max(max(lengths), 1)
     cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
-    num_splits = min(triton.cdiv(max_items, split_items), cap)
-    split_items = triton.cdiv(triton.cdiv(max_items, num_splits), block_n) * block_n
-    return num_splits, split_items
+    slots = num_sms * per_sm
+    lo = triton.cdiv(max(min_split_tokens, block_n), block_n) * block_n
+    hi = triton.cdiv(max_len, block_n) * block_n
+    best_cost, best_s = None, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n
+    step = block_n * max(1, (hi // block_n) // 256)  # at most ~256 candidates
+    for s in range(lo, max(hi, lo) + 1, step):
+        if triton.cdiv(max_len, s) > cap:
+            continue
+        programs = m_blocks * sum(max(1, triton.cdiv(n, s)) for n in lengths)
+        cost = triton.cdiv(programs, slots) * s
+        if best_cost is None or cost <= best_cost:
+            best_cost, best_s = cost, s
+    best_s = max(best_s, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n)
+    return triton.cdiv(max_len, best_s), best_s
 
 
 def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                     sparse: bool = False, total_items: int | None = None) -> LaunchParams:
+                     sparse: bool = False, lengths: list[int] | None = None) -> LaunchParams:
     """Launch parameters for one `TILE_TABLE` entry, the splits chosen for this shape.
 
-    A tile is `(block_h, block_n, num_warps, num_stages, split_d, waves, reload_v,
-    min_split_tokens)`.
-
-    With `total_items` (the sum of the lengths, known in `prepare`) splits are
-    balanced by work; without it (no host sync allowed) every request gets the
-    same split count over the block table's capacity.
+    A tile is `(block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v,
+    min_split_tokens)`, `per_sm` being how many programs of it fit on one SM.
+    With `lengths` (the per-request lengths, known in `prepare`) splits follow
+    `balanced_splits`; without them (no host sync allowed) every request gets
+    the same split count over `max_items`, the block table's capacity.
     """
-    block_h, block_n, num_warps, num_stages, split_d, waves, reload_v, min_split = tile
+    block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v, min_split = tile
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
-    if total_items is not None:
-        splits, split_items = balanced_splits(batch=batch, m_blocks=m_blocks, max_items=max_items,
-                                              total_items=total_items, num_sms=num_sms, block_n=block_n,
-                                              min_split_tokens=min_split, waves=waves)
+    if lengths is not None:
+        splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
+                                              per_sm=per_sm, block_n=block_n, min_split_tokens=min_split)
         return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items,
                             reload_v)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
-                           min_split_tokens=min_split, waves=waves)
+                           min_split_tokens=min_split, waves=min(per_sm, 4))
     return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, 0, reload_v)
 
 
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False,
-                   total_items: int | None = None) -> LaunchParams:
+                   lengths: list[int] | None = None) -> LaunchParams:
     """The heuristic: tiles from `TILE_TABLE` by head rows, splits from batch x length x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
-        total_items: the sum of the lengths (dense) or batch x top-k (sparse), when known.
+        lengths: per-request lengths (dense) or top-k per request (sparse), when known.
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     tile = TILE_TABLE[("fp8" if kv_fp8 else "16bit", rows_bucket(rows))]
     return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
-                            num_sms=num_sms, sparse=sparse, total_items=total_items)
+                            num_sms=num_sms, sparse=sparse, lengths=lengths)
 
 
 def m_blocks_of(params: LaunchParams, *, num_heads: int, q_len: int, sparse: bool) -> int:

@@ -148,6 +148,23 @@ def test_default_splits_fill_the_gpu_and_respect_the_workspace_bound():
     assert short.num_splits == 1, "a split shorter than a few hundred tokens costs more than it saves"
 
 
+def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
+    from mla_tune.backends.inputs import ragged_lengths
+    from mla_tune.backends.triton_mla.launch import balanced_splits
+
+    for batch, kv_len in [(1, 4096), (4, 16384), (16, 16384), (64, 4096), (128, 32768)]:
+        lengths = ragged_lengths(Shape(batch, kv_len), page_size=64, seed=3)
+        splits, split_items = balanced_splits(lengths=lengths, m_blocks=1, num_sms=132, per_sm=1,
+                                              block_n=64, min_split_tokens=256)
+        programs = sum(math.ceil(n / split_items) for n in lengths)
+        assert splits * split_items >= max(lengths), "the splits must cover the longest request"
+        assert split_items % 64 == 0 and split_items >= 256
+        assert batch * splits <= batch + 4 * 132, "workspace bound"
+        if batch * kv_len >= 132 * 256 * 2:
+            # enough work for every SM: never a nearly empty second wave
+            assert programs % 132 == 0 or programs % 132 > 66 or programs < 132, (batch, kv_len, programs)
+
+
 def test_mla_decode_names_the_bad_tensor():
     from mla_tune.backends.triton_mla import mla_decode
 
