@@ -6,8 +6,10 @@ the worker down. Every step reports an event through `emit` as it happens, so
 the parent knows which backend was in flight when something dies.
 
 Events sent (plain tuples, picklable):
-    ("begin", backend, phase)        phase in prepare, timing
+    ("begin", backend, phase)        phase in prepare, capture, timing
     ("result", backend, Outcome)     one per backend
+    ("timing_failed", reason, names) interleaved timing of several backends broke; the parent
+                                     times each of them alone to find the culprit
     ("shape_skipped", reason)        the shape does not fit or cannot be built
     ("shape_done", info dict)        seconds per phase, peak memory, clocks
 """
@@ -127,7 +129,11 @@ def _is_fatal(exc: BaseException) -> bool:
 
 
 def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit) -> dict[str, Callable[[], object]]:
-    """CUDA graphs of each backend over rotating input copies (cold L2), captured per backend."""
+    """CUDA graphs of each backend over rotating input copies (cold L2), captured per backend.
+
+    A backend whose capture raises is reported failed and left out (PoisonedContext when the
+    CUDA context is gone).
+    """
     from mla_tune.backends.inputs import clone_data, input_set_bytes
     from mla_tune.tuner import timing
 
@@ -137,8 +143,13 @@ def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit) -> dict[str, Ca
     steps = {}
     for name, runner in prepared.items():
         emit(("begin", name, "capture"))
-        steps[name] = timing.capture_graph(lambda runner=runner: [runner.run(s) for s in sets],
-                                           iterations_per_replay=len(sets))
+        try:
+            steps[name] = timing.capture_graph(lambda runner=runner: [runner.run(s) for s in sets],
+                                               iterations_per_replay=len(sets))
+        except Exception as exc:  # noqa: BLE001 - a failure is data
+            emit(("result", name, Outcome("failed", reason=f"CUDA graph capture raised {describe_exception(exc)}")))
+            if _is_fatal(exc):
+                raise PoisonedContext(describe_exception(exc)) from exc
     return steps
 
 
@@ -231,20 +242,28 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
         from mla_tune.tuner.timing import time_interleaved as bench
     nvml = _Nvml(gpu if on_cuda else None)
     t0 = time.perf_counter()
+    if on_cuda:
+        free_now, _ = torch.cuda.mem_get_info(dev)
+        steps = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit)
+        prepared = {name: p for name, p in prepared.items() if name in steps}
+    else:
+        steps = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
+    if not steps:
+        emit(("shape_done", info))
+        return
     try:
-        if on_cuda:
-            free_now, _ = torch.cuda.mem_get_info(dev)
-            steps = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit)
-        else:
-            steps = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
         emit(("begin", None, "timing"))
         clock_before, temp_before = nvml.read()
         timings = bench(steps, rel_ci_target=task.rel_ci_target, max_seconds=task.max_seconds)
         clock_after, temp_after = nvml.read()
     except Exception as exc:  # noqa: BLE001
-        for name, (_, rel, prepare_s) in prepared.items():
-            emit(("result", name, Outcome("failed", rel_error=rel, prepare_s=prepare_s,
-                                          reason=f"graph capture or timing raised {describe_exception(exc)}")))
+        reason = f"interleaved timing raised {describe_exception(exc)}"
+        if len(steps) == 1:
+            (name, (_, rel, prepare_s)), = prepared.items()
+            emit(("result", name, Outcome("failed", rel_error=rel, prepare_s=prepare_s, reason=reason)))
+        else:
+            # Which backend broke it is unknown: the parent times each one alone to find out.
+            emit(("timing_failed", reason, tuple(steps)))
         if on_cuda and _is_fatal(exc):
             raise PoisonedContext(describe_exception(exc)) from exc
         emit(("shape_done", info))

@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mla_tune.tuner.measure import Outcome, PoisonedContext, ShapeTask, describe_exception
@@ -45,6 +45,19 @@ class ShapeResult:
     skipped_reason: str | None = None
     info: dict = field(default_factory=dict)
     restarts: int = 0
+
+
+def _merge_info(into: dict, more: dict) -> None:
+    """Add one attempt's shape info to the running total (seconds add up, dicts merge, peaks max)."""
+    for name, value in more.items():
+        if isinstance(value, dict):
+            into.setdefault(name, {}).update(value)
+        elif name == "peak_memory_bytes":
+            into[name] = max(into.get(name, 0), value)
+        elif isinstance(value, float):
+            into[name] = into.get(name, 0.0) + value
+        else:
+            into[name] = value
 
 
 def _load(path: str | None):
@@ -212,7 +225,8 @@ class Worker:
             self._exitcode = self._proc.exitcode
         self.stop()
 
-    def run_shape(self, task: ShapeTask, *, on_event: Callable[[tuple], None] | None = None) -> ShapeResult:
+    def run_shape(self, task: ShapeTask, *, on_event: Callable[[tuple], None] | None = None,
+                  _alone: bool = False) -> ShapeResult:
         """Measure `task`, surviving crashes and hangs of individual backends.
 
         Args:
@@ -220,10 +234,13 @@ class Worker:
             on_event: called with every event (progress display).
 
         Returns:
-            An outcome for every backend of `task` (or the shape's skip reason).
+            An outcome for every backend of `task` (or the shape's skip reason). When
+            the interleaved timing of several backends crashes or hangs, each of them
+            is timed again alone, so that only the culprit is recorded as failed.
         """
         result = ShapeResult()
         pending = list(task.backends)
+        suspects: list[str] = []
         sent = False
         while pending:
             if result.restarts > len(task.backends) + 1:
@@ -237,7 +254,7 @@ class Worker:
                     result.restarts += 1
                 t0 = time.monotonic()
                 self._start()
-                result.info["worker_start_s"] = result.info.get("worker_start_s", 0.0) + time.monotonic() - t0
+                _merge_info(result.info, {"worker_start_s": time.monotonic() - t0})
             sent = True
             self._conn.send(ShapeTask(task.problem, task.shape, tuple(pending), task.seed,
                                       task.rel_ci_target, task.max_seconds, task.adapters))
@@ -258,6 +275,9 @@ class Worker:
                     if not in_flight and not result.outcomes:
                         result.skipped_reason = f"the shape could not be built: {reason}"
                         return result
+                    if phase == "timing" and len(in_flight) > 1 and not _alone:
+                        suspects.extend(in_flight)
+                        break
                     for name in in_flight:
                         result.outcomes[name] = Outcome(status, reason=reason)
                     break
@@ -271,23 +291,39 @@ class Worker:
                     _, name, outcome = event
                     result.outcomes[name] = outcome
                     in_flight = [n for n in in_flight if n != name]
+                elif kind == "timing_failed":
+                    _, reason, names = event
+                    if _alone:
+                        for name in names:
+                            result.outcomes[name] = Outcome("failed", reason=reason)
+                    else:
+                        suspects.extend(n for n in names if n not in result.outcomes)
+                    in_flight = []
                 elif kind == "shape_skipped":
                     result.skipped_reason = event[1]
                     return result
                 elif kind == "shape_done":
-                    result.info.update(event[1])
+                    _merge_info(result.info, event[1])
                     break
                 elif kind == "fatal":
                     # The worker reported the backend's failure before exiting; wait for it to go.
                     self._proc.join(timeout=10)
                     self._kill()
                     break
-            pending = [n for n in pending if n not in result.outcomes]
+            pending = [n for n in pending if n not in result.outcomes and n not in suspects]
             if pending and self._proc is not None and self._proc.is_alive():
                 # shape_done without a result for some backend: should not happen; do not loop forever.
                 for name in pending:
                     result.outcomes[name] = Outcome("failed", reason="the worker finished the shape without a result")
                 pending = []
+        for name in suspects:
+            if self._proc is None:
+                result.restarts += 1
+            alone = self.run_shape(replace(task, backends=(name,)), on_event=on_event, _alone=True)
+            result.restarts += alone.restarts
+            _merge_info(result.info, alone.info)
+            result.outcomes[name] = alone.outcomes.get(name) or Outcome(
+                "failed", reason=f"timed alone after the interleaved timing broke: {alone.skipped_reason}")
         return result
 
     _exitcode: int | None = None

@@ -21,10 +21,14 @@ from mla_tune.backends.reference import mla_reference
 
 
 class _Prepared:
-    def __init__(self, problem, scale: float = 1.0, hang_in_run: bool = False):
+    def __init__(self, problem, scale: float = 1.0, hang_in_run: bool = False, abort_on_call: int = 0):
         self.problem, self.scale, self.hang_in_run = problem, scale, hang_in_run
+        self.abort_on_call, self.calls = abort_on_call, 0
 
     def run(self, inputs):
+        self.calls += 1
+        if self.calls == self.abort_on_call:
+            os.abort()
         if self.hang_in_run:
             time.sleep(3600)
         out, lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
@@ -87,6 +91,15 @@ class FakeHang:
         return _Prepared(problem, hang_in_run=True)
 
 
+class FakeLateAbort:
+    """Correct at the gate (first run), then aborts in its second run: inside the timing."""
+
+    name = "FAKE_LATE_ABORT"
+
+    def prepare(self, problem, inputs):
+        return _Prepared(problem, abort_on_call=2)
+
+
 class FakeRaise:
     """Raises a plain Python error at prepare."""
 
@@ -97,7 +110,8 @@ class FakeRaise:
 
 
 ADAPTERS = {cls.name: f"fake_mla_backends:{cls.__name__}" for cls in
-            (FakeGood, FakeOther, FakeThird, FakeLiar, FakeAbort, FakeSegfault, FakeHang, FakeRaise)}
+            (FakeGood, FakeOther, FakeThird, FakeLiar, FakeAbort, FakeSegfault, FakeHang, FakeRaise,
+             FakeLateAbort)}
 
 
 @dataclass(frozen=True)

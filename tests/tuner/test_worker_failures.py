@@ -15,7 +15,8 @@ BENCH = "fake_mla_backends:fake_bench"
 
 def test_crashes_hangs_and_lies_are_recorded_and_the_good_backends_are_still_timed(monkeypatch, tmp_path):
     monkeypatch.setenv("MLA_TUNE_FAKE_MS", json.dumps({"FAKE_GOOD": 1.5, "FAKE_OTHER": 2.5}))
-    names = ("FAKE_ABORT", "FAKE_GOOD", "FAKE_LIAR", "FAKE_SEGFAULT", "FAKE_HANG", "FAKE_RAISE", "FAKE_OTHER")
+    names = ("FAKE_ABORT", "FAKE_GOOD", "FAKE_LIAR", "FAKE_SEGFAULT", "FAKE_HANG", "FAKE_RAISE", "FAKE_OTHER",
+             "FAKE_LATE_ABORT")
     task = ShapeTask(Problem(num_heads=4, kv_cache_dtype="fp8"), Shape(2, 100), names,
                      adapters=tuple(ADAPTERS.items()))
     with Worker(device="cpu", bench=BENCH, timeouts_s={"prepare": 3.0}, log_dir=tmp_path) as worker:
@@ -33,4 +34,8 @@ def test_crashes_hangs_and_lies_are_recorded_and_the_good_backends_are_still_tim
     assert (out["FAKE_GOOD"].status, out["FAKE_GOOD"].median_ms) == ("ok", 1.5)
     assert (out["FAKE_OTHER"].status, out["FAKE_OTHER"].median_ms) == ("ok", 2.5)
     assert out["FAKE_GOOD"].rel_error < 1e-6
-    assert result.restarts == 3                               # abort, segfault, hang: one fresh worker each
+    # Passed the gate, then aborted inside the interleaved timing: the others were timed again
+    # alone, so only it is recorded as failed.
+    assert out["FAKE_LATE_ABORT"].status == "failed" and "SIGABRT" in out["FAKE_LATE_ABORT"].reason
+    assert "during timing" in out["FAKE_LATE_ABORT"].reason
+    assert result.restarts == 4                               # after abort, segfault, hang, interleaved timing
