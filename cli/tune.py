@@ -100,10 +100,9 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) 
                            + (f", budget {budget_s:g} s" if budget_s else ""), err=True)
 
             report = tune(spec, store=store, devices=devices, options=options, on_plan=on_plan)
-            skus = sorted({d.sku for d in devices})
-            digests = {d.fingerprint.digest for d in report.decisions}
-            shown = [d for sku in skus for d in store.decisions(sku=sku)
-                     if not digests or d.fingerprint.digest in digests]
+            # Every decision of these GPUs made with this software: new ones and those skipped as tuned.
+            shown = [d for sku, digest in sorted(report.fingerprints.items())
+                     for d in store.decisions(sku=sku) if d.fingerprint.digest == digest]
     except (SpecError, BudgetError) as exc:
         raise click.UsageError(str(exc)) from None
     except (StoreError, GpuBusy, TuneError, WorkerStartError) as exc:

@@ -97,6 +97,7 @@ class TuneReport:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # prepare/inputs/timing
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)                # gpu uuid -> bytes
     notes: list[str] = field(default_factory=list)                                  # slow GPUs, skips, restarts
+    fingerprints: dict[str, str] = field(default_factory=dict)                      # SKU -> software digest used
 
 
 def _now_iso() -> str:
@@ -404,6 +405,7 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
             from mla_tune.backends.software import current_fingerprint
 
             fp = options.fingerprint or current_fingerprint(driver_version=group[0].driver_version)
+            report.fingerprints[sku] = fp.digest
             plans = build_plans(spec, store, group[0], fp, options, report)
             work.append((group, plans, fp))
         all_plans = [p for _, plans, _ in work for p in plans]

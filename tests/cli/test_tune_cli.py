@@ -102,6 +102,7 @@ def test_main_job_tunes_and_prints_the_decision_table(cli, tmp_path, monkeypatch
     assert again.exit_code == 0, again.stderr
     assert "8 key(s) already tuned with this software were skipped" in again.stdout
     assert "Measured 0 of 0 shape(s)" in again.stdout
+    assert "Decisions (key, winner" in again.stdout and again.stdout.count("50.0% over FAKE_OTHER") == 8
 
 
 def test_default_gpu_is_the_first_idle_one(monkeypatch):
