@@ -9,7 +9,7 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, PARAM_SPACE, LaunchParams, Workspace, default_params, launch, sm_count)
+    D_LATENT, PARAM_SPACE, LaunchParams, Workspace, cc_major, default_params, launch, sm_count)
 
 
 class PreparedTritonMLA:
@@ -57,7 +57,7 @@ class TritonMLA:
         return default_params(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch,
                               max_items=max(max(lengths), 1), num_sms=sm_count(inputs.q.device),
                               sparse=self.sparse, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
-                              lengths=lengths)
+                              lengths=lengths, cc_major=cc_major(inputs.q.device))
 
     def prepare(self, problem: Problem, inputs: DecodeInputs) -> PreparedTritonMLA:
         check_inputs(problem, inputs)

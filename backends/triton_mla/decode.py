@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, D_ROPE, LaunchParams, Workspace, default_params, launch, m_blocks_of, sm_count)
+    D_LATENT, D_ROPE, LaunchParams, Workspace, cc_major, default_params, launch, sm_count)
 
 
 def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices) -> None:
@@ -80,7 +80,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         max_items = topk_indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
         params = default_params(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
                                 num_sms=sm_count(q.device), sparse=sparse,
-                                kv_fp8=kv_cache.dtype == torch.float8_e4m3fn)
+                                kv_fp8=kv_cache.dtype == torch.float8_e4m3fn,
+                                cc_major=cc_major(q.device))
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
     workspace = None

@@ -83,6 +83,13 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def cc_major(device: torch.device) -> int | None:
+    """Compute-capability major of `device`; None for CPU tensors (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).major
+
+
 def packed_rows(num_heads: int, q_len: int, *, sparse: bool) -> int:
     """Rows in one program's M dimension group: q_len x heads dense, heads sparse."""
     return num_heads if sparse else q_len * num_heads
@@ -167,17 +174,27 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, 0, reload_v)
 
 
+# The 64-row tiles need 180-216 KB of shared memory and were tuned for wgmma: only
+# Hopper (and Blackwell datacenter parts, same 228 KB) get them; every other GPU
+# (A100's 164 KB, SM89/SM120's ~100 KB) runs 16-row tiles (55 KB) for those buckets.
+BIG_TILE_CC_MAJORS = (9, 10)
+
+
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False,
-                   lengths: list[int] | None = None) -> LaunchParams:
+                   lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
     """The heuristic: tiles from `TILE_TABLE` by head rows, splits from batch x length x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
         lengths: per-request lengths (dense) or top-k per request (sparse), when known.
+        cc_major: the GPU's compute-capability major (None: the CPU interpreter).
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
-    tile = TILE_TABLE[("fp8" if kv_fp8 else "16bit", rows_bucket(rows))]
+    kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
+    if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
+        bucket = 16
+    tile = TILE_TABLE[(kind, bucket)]
     return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=num_sms, sparse=sparse, lengths=lengths)
 

@@ -148,6 +148,15 @@ def test_default_splits_fill_the_gpu_and_respect_the_workspace_bound():
     assert short.num_splits == 1, "a split shorter than a few hundred tokens costs more than it saves"
 
 
+def test_gpus_without_228kb_shared_memory_get_16_row_tiles():
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    hopper = default_params(num_heads=128, q_len=1, batch=8, max_items=4096, num_sms=132, cc_major=9)
+    ampere = default_params(num_heads=128, q_len=1, batch=8, max_items=4096, num_sms=108, cc_major=8)
+    assert hopper.block_h == 64
+    assert ampere.block_h == 16, "a 216 KB tile does not fit an A100's 164 KB of shared memory"
+
+
 def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
     from mla_tune.backends.inputs import ragged_lengths
     from mla_tune.backends.triton_mla.launch import balanced_splits
