@@ -32,7 +32,8 @@ def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_i
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
         raise ValueError(f"block_table must be int32 [batch={q.shape[0]}, max_pages], got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (q.shape[0],) or not seq_lens.is_contiguous():
+    if (seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (q.shape[0],)
+            or not seq_lens.is_contiguous()):
         raise ValueError(f"seq_lens must be contiguous int32 [batch={q.shape[0]}], got "
                          f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
     if topk_indices is not None:

@@ -73,7 +73,8 @@ class LaunchParams:
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
-                f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}x{self.num_splits}")
+                f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
+                f"x{self.num_splits}")
 
 
 def sm_count(device: torch.device) -> int:
