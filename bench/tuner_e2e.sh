@@ -50,7 +50,12 @@ TIMES=$OUT/timings.txt
 stage() {  # stage NAME LIMIT_S MLA-TUNE-ARGS...
   local name=$1 limit=$2; shift 2
   echo; echo "=== $name: mla-tune $* (limit ${limit} s) ==="
-  local t0 t1 rc
+  local t0 t1 rc i
+  # Workers of a stage that was cut short may still be exiting; mla-tune refuses a busy GPU.
+  for i in $(seq 30); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
+    sleep 1
+  done
   t0=$(date +%s%N)
   timeout --signal=INT --kill-after=10 "$limit" bash -c 'mla "$@"' mla "$@"
   rc=$?
