@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -67,12 +68,27 @@ def _load(path: str | None):
     return getattr(importlib.import_module(module), attr)
 
 
+def _exit_with_parent() -> None:
+    """Exit as soon as the tuner dies (even by SIGKILL), rather than finish a shape or a JIT build
+    for nobody while holding the GPU."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(4)
+
+    threading.Thread(target=watch, daemon=True, name="mla-tune-parent-watch").start()
+
+
 def _worker_main(conn, cuda_visible: str | None, device: str, gpu: str | None,
                  bench_path: str | None, log_path: str) -> None:
     """Entry point of the spawned worker: serve ShapeTasks until told to stop."""
     # Ctrl-C reaches the whole process group; the parent handles it and stops the workers, so
     # that an interrupted measurement is never recorded as a backend's failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.dup2(fd, 1)
