@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from contextlib import closing
 import sys
 import time
 from dataclasses import replace
@@ -229,7 +230,9 @@ def _fallback_with_warning(url, caplog, text):
 
 
 def snapshot(path):
-    return {p: (open(p, "rb").read() if os.path.isfile(p) else None)
+    """The stored bytes at `path`: the file, its WAL and journal (an empty WAL, which SQLite creates
+    for any reader of a WAL database, counts as none)."""
+    return {p: (open(p, "rb").read() or None if os.path.isfile(p) else None)
             for p in (str(path), f"{path}-wal", f"{path}-journal")}
 
 
@@ -257,7 +260,7 @@ def test_not_an_sqlite_file(tmp_path, caplog):
 def test_truncated_database(tmp_path, caplog):
     path = tmp_path / "truncated.db"
     tuned_db(path, *[decision_for(H100, heads=h) for h in (16, 32, 64, 128)])
-    with sqlite3.connect(path) as connection:  # fold the WAL into the file, then cut it
+    with closing(sqlite3.connect(path)) as connection, connection:  # fold the WAL into the file, then cut it
         connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -278,7 +281,7 @@ def test_directory_at_the_path(tmp_path, caplog):
 
 def test_sqlite_file_of_something_else(tmp_path, caplog):
     path = tmp_path / "other.db"
-    with sqlite3.connect(path) as connection:
+    with closing(sqlite3.connect(path)) as connection, connection:
         connection.execute("CREATE TABLE notes (text TEXT)")
     before = snapshot(path)
     _fallback_with_warning(f"sqlite:///{path}", caplog, "no mla-tune tables")
@@ -288,7 +291,7 @@ def test_sqlite_file_of_something_else(tmp_path, caplog):
 def test_newer_schema(tmp_path, caplog):
     path = tmp_path / "future.db"
     tuned_db(path, decision_for(H100))
-    with sqlite3.connect(path) as connection:
+    with closing(sqlite3.connect(path)) as connection, connection:
         connection.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
     before = snapshot(path)
     choice = _fallback_with_warning(f"sqlite:///{path}", caplog, "9999_from_the_future")
@@ -299,7 +302,7 @@ def test_newer_schema(tmp_path, caplog):
 def test_read_only_file_still_serves_and_is_not_modified(tmp_path):
     path = tmp_path / "ro.db"
     tuned_db(path, decision_for(H100))
-    with sqlite3.connect(path) as connection:
+    with closing(sqlite3.connect(path)) as connection, connection:
         connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     os.chmod(path, 0o444)
     before = snapshot(path)
@@ -363,7 +366,7 @@ def test_tuned_choice_reports_the_stored_key_and_skips_unknown_winners(tmp_path)
     url = tuned_db(tmp_path / "k.db", decision_for(H100))
     choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
     assert choice.key["sku"] == H100.sku  # the full SKU it was tuned on, though only name and cc were given
-    with sqlite3.connect(tmp_path / "k.db") as connection:
+    with closing(sqlite3.connect(tmp_path / "k.db")) as connection, connection:
         connection.execute("UPDATE decisions SET winner = 'SOME_FUTURE_MLA'")
     clear_cache()
     choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)

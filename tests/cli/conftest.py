@@ -38,10 +38,13 @@ def cli():
 def files_under():
     """files_under(path) -> {relative path: bytes} of every file and directory under `path`.
 
-    SQLite's `-shm` file is left out: it is a shared-memory index that every
-    reader of a WAL database updates, not stored data.
+    SQLite's `-shm` file and an empty `-wal` are left out: any reader of a WAL
+    database may create them, and they hold no stored data.
     """
+    def stored(p) -> bool:
+        return not (p.name.endswith("-shm") or (p.name.endswith("-wal") and p.stat().st_size == 0))
+
     def snapshot(path) -> dict:
         return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else "<dir>")
-                for p in sorted(path.rglob("*")) if not p.name.endswith("-shm")}
+                for p in sorted(path.rglob("*")) if stored(p)}
     return snapshot

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from contextlib import closing
 
 import pytest
 
@@ -25,11 +26,11 @@ def bad_files(tmp_path):
     directory.mkdir()
     future = tmp_path / "future.db"
     Store.open(f"sqlite:///{future}").close()
-    with sqlite3.connect(future) as connection:
+    with closing(sqlite3.connect(future)) as connection, connection:
         connection.execute("UPDATE alembic_version SET version_num = 'ffff_newer'")
     truncated = tmp_path / "truncated.db"
     Store.open(f"sqlite:///{truncated}").close()
-    with sqlite3.connect(truncated) as connection:
+    with closing(sqlite3.connect(truncated)) as connection, connection:
         connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     data = truncated.read_bytes()
     truncated.write_bytes(data[: len(data) // 2 + 100])
