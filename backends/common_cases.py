@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_tune.backends.priority import static_priority
+from mla_tune.backends.priority import static_choice
 from mla_tune.backends.problem import DeviceSpec, Problem
-from mla_tune.backends.registry import backend_reasons
 
 # Representative GPUs of each family vLLM distinguishes (name as NVML reports it).
 COMMON_DEVICES = (
@@ -39,20 +38,6 @@ class StaticCase:
     skipped: dict[str, list[str]]  # backends before it in the list, and why
 
 
-def static_choice_assuming_installed(problem: Problem, device: DeviceSpec, *,
-                                     kv_cache_spelling: str) -> tuple[str | None, dict[str, list[str]]]:
-    """Like `priority.static_choice`, but without checking that the kernels' packages are installed."""
-    order = static_priority(compute_capability=device.compute_capability, kv_cache_dtype=kv_cache_spelling,
-                            num_heads=problem.num_heads)
-    skipped: dict[str, list[str]] = {}
-    for name in order:
-        reasons = backend_reasons(name, problem, device, check_packages=False)
-        if not reasons:
-            return name, skipped
-        skipped[name] = reasons
-    return None, skipped
-
-
 def common_static_choices(devices=COMMON_DEVICES, *, heads=COMMON_HEADS,
                           kv_cache_dtypes=COMMON_KV_CACHE_DTYPES, sparse=(False, True)) -> list[StaticCase]:
     """vLLM's static choice for every combination, devices outermost."""
@@ -63,6 +48,6 @@ def common_static_choices(devices=COMMON_DEVICES, *, heads=COMMON_HEADS,
                 for num_heads in heads:
                     problem = Problem(num_heads=num_heads, kv_cache_dtype=kv,
                                       topk=SPARSE_TOPK if is_sparse else None)
-                    backend, skipped = static_choice_assuming_installed(problem, device, kv_cache_spelling=kv)
+                    backend, skipped = static_choice(problem, device, kv_cache_spelling=kv)
                     cases.append(StaticCase(device, kv, is_sparse, num_heads, backend, skipped))
     return cases

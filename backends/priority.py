@@ -47,9 +47,18 @@ def static_priority(*, compute_capability, kv_cache_dtype: str = "auto",
     return list(_DEFAULT)
 
 
-def static_choice(problem: Problem, device: DeviceSpec, *,
-                  kv_cache_spelling: str | None = None) -> tuple[str | None, dict[str, list[str]]]:
+def static_choice(problem: Problem, device: DeviceSpec, *, kv_cache_spelling: str | None = None,
+                  check_packages: bool = False) -> tuple[str | None, dict[str, list[str]]]:
     """The backend vLLM would pick: the first eligible entry of its priority list.
+
+    Args:
+        problem: the decode problem.
+        device: the GPU.
+        kv_cache_spelling: the user's `--kv-cache-dtype` spelling (vLLM's quantized test
+            reads the raw string); defaults to the problem's canonical dtype.
+        check_packages: also require the backends' packages in *this* process. Off by
+            default: the caller (a CLI, an init container, the tuner) is usually not the
+            engine's process, and vLLM's choice is made with vLLM's kernels installed.
 
     Returns:
         (name or None when nothing is eligible, {backend: reasons} for every
@@ -60,7 +69,7 @@ def static_choice(problem: Problem, device: DeviceSpec, *,
                             num_heads=problem.num_heads)
     skipped: dict[str, list[str]] = {}
     for name in order:
-        reasons = backend_reasons(name, problem, device)
+        reasons = backend_reasons(name, problem, device, check_packages=check_packages)
         if not reasons:
             return name, skipped
         skipped[name] = reasons

@@ -17,8 +17,7 @@ import types
 from dataclasses import dataclass, field
 
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
-from mla_tune.backends.common_cases import static_choice_assuming_installed
-from mla_tune.backends.priority import static_priority
+from mla_tune.backends.priority import static_choice, static_priority
 from mla_tune.backends.problem import DeviceSpec, Geometry, Problem, parse_compute_capability
 from mla_tune.backends.registry import BACKENDS, backend_reasons, candidates
 
@@ -281,7 +280,7 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
     key = DecisionKey.of(info.sku, info.compute_capability, problem)
     # vLLM's choice on this GPU as vLLM itself would make it: the packages of *this* process (an init
     # container, a CLI venv) say nothing about the engine's, so they are not checked here.
-    vllm_choice, skipped = static_choice_assuming_installed(problem, spec, kv_cache_spelling=kv_cache_dtype)
+    vllm_choice, skipped = static_choice(problem, spec, kv_cache_spelling=kv_cache_dtype)
 
     decisions, warning = _stored_decisions(db, key, info)
     if warning:
