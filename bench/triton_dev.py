@@ -257,6 +257,75 @@ def compare(args, bw, mm):
             case.free()
 
 
+# Round 2: the shipped tile per (KV kind, rows bucket) against tiles with the block table hoisted
+# into registers (`hoist_pages`, the 9th field), which lets Triton keep a KV tile in flight.
+HOIST_SHAPES = {16: [(16, 64, 4096), (16, 1, 4096), (16, 16, 16384)], 32: [(32, 64, 4096), (32, 4, 16384)],
+                64: [(64, 64, 4096), (64, 1, 4096), (64, 4, 16384), (64, 16, 4096)],
+                128: [(128, 64, 4096), (128, 1, 16384), (128, 16, 4096)]}
+_H16 = [(16, 32, 4, 2, True, 3, False, 128, 64), (16, 16, 4, 3, True, 3, False, 128, 64),
+        (16, 32, 4, 3, True, 2, False, 128, 64)]
+_H64 = [(64, 32, 8, 3, True, 1, False, 256, 64), (64, 64, 8, 2, True, 1, False, 256, 64)]
+_F64 = [(64, 32, 8, 3, True, 1, False, 256, 64), (64, 32, 8, 3, True, 1, True, 256, 64)]
+HOIST_CANDIDATES = {
+    ("16bit", 16): _H16, ("16bit", 32): _H16, ("16bit", 64): _H64, ("16bit", 128): _H64,
+    ("fp8", 16): [(16, 32, 4, 2, True, 2, True, 128, 64), (16, 16, 4, 3, True, 3, True, 128, 64)],
+    ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 128, 64), (16, 16, 4, 3, True, 3, True, 128, 64)],
+    ("fp8", 64): _F64, ("fp8", 128): _F64,
+}
+
+
+def hoist_compare(args, bw, mm):
+    """Shipped tile vs hoisted-page candidates per bucket; returns {(kind, bucket): winner tile}.
+
+    A candidate replaces the shipped tile when its geometric-mean time ratio over the
+    bucket's shapes is below 0.97 and no shape of the bucket gets more than 10% slower.
+    """
+    from mla_tune.backends.triton_mla.launch import TILE_TABLE
+    winners = {}
+    for (kind, bkt), cands in HOIST_CANDIDATES.items():
+        tiles = [TILE_TABLE[(kind, bkt)]] + cands
+        times = {t: [] for t in tiles}
+        for heads, batch, kv_len in HOIST_SHAPES[bkt]:
+            if time.time() - T0 > args.budget_s:
+                log("# hoist budget reached")
+                return winners
+            kv_dtype = "fp8_e4m3" if kind == "fp8" else "bf16"
+            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(batch, kv_len))
+            roof = case.roofline_us(bw, mm)
+            for i, tile in enumerate(tiles):
+                params = params_for(tile, case)
+                r = check_and_time(case, TritonMLA(params))
+                log("hoist " + fmt_line(case, params.label(), r, roof, ("old " if i == 0 else "new ") + str(tile)))
+                times[tile].append(r["us"] if r["status"] == "ok" else None)
+            case.free()
+        base = times[tiles[0]]
+        best, best_gm = tiles[0], 0.97
+        for tile in cands:
+            pairs = [(t, b) for t, b in zip(times[tile], base) if b]
+            if not pairs or any(t is None for t, _ in pairs) or len(pairs) < len(base):
+                continue
+            ratios = [t / b for t, b in pairs]
+            gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            log(f"# hoist {kind} {bkt}: {tile} time ratio vs shipped {gm:.3f} (max {max(ratios):.3f})")
+            if gm < best_gm and max(ratios) < 1.10:
+                best, best_gm = tile, gm
+        winners[(kind, bkt)] = best
+        log(f"# hoist winner {kind} {bkt}: {best}")
+    return winners
+
+
+def apply_tiles(winners, path="backends/triton_mla/launch.py"):
+    """Rewrite TILE_TABLE entries of launch.py in place with the winners (the device copy)."""
+    import re
+    text = open(path).read()
+    for (kind, bkt), tile in winners.items():
+        pattern = re.compile(r'^(\s*\("' + kind + r'", ' + str(bkt) + r'\): )\([^)]*\)', re.M)
+        text, n = pattern.subn(lambda m: m.group(1) + repr(tuple(tile)), text)
+        assert n == 1, (kind, bkt)
+    open(path, "w").write(text)
+    log(f"# applied to {path}: {winners}")
+
+
 def fmt_line(case, name, r, roof, tag=""):
     if r["status"] != "ok":
         return f"{case.label()} {name:22s} {r['status']:9s} {r.get('err', r.get('why', ''))} {tag}"
@@ -361,7 +430,7 @@ def summarize(summary):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare"])
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -373,6 +442,7 @@ def main():
     ap.add_argument("--sparse-budget-s", type=float, default=1e9, help="stop the sparse runs after this")
     ap.add_argument("--fa2-bf16", action="store_true", help="also time FA2 with bf16 KV")
     ap.add_argument("--sweep-heads", default="64,16,128,32")
+    ap.add_argument("--apply", action="store_true", help="hoist: write the winners into launch.py")
     ap.add_argument("--sweep-waves", action="store_true", help="also try 1 and 4 waves for each winner")
     args = ap.parse_args()
     name = torch.cuda.get_device_name(0)
@@ -387,6 +457,10 @@ def main():
     table = None
     if args.mode == "compare":
         compare(args, bw, mm)
+    if args.mode == "hoist":
+        winners = hoist_compare(args, bw, mm)
+        if args.apply:
+            apply_tiles(winners)
     if args.mode in ("sweep", "all"):
         table = sweep(args, bw, mm)
     if args.mode in ("grid", "all"):

@@ -41,9 +41,15 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr):
-    """Token positions `[BLOCK_N]`, their validity, and row pointers into the paged cache."""
+def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, pages, first_page,
+             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr,
+             HOIST_PAGES: tl.constexpr):
+    """Token positions `[BLOCK_N]`, their validity, and row pointers into the paged cache.
+
+    With HOIST_PAGES the page numbers come from `pages` (block-table entries
+    `first_page ...` already in registers), so the tile's address depends on no
+    load inside the loop and Triton's pipeliner can keep a tile in flight.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_range = offs_n < end
     if SPARSE:
@@ -52,9 +58,25 @@ def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
     else:
         pos = offs_n
         tok_ok = in_range
-    page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
+    if HOIST_PAGES > 0:
+        page = tl.gather(pages, tl.where(tok_ok, pos // PAGE_SIZE - first_page, 0), 0)
+    else:
+        page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
     kv_row = kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
     return pos, tok_ok, kv_row
+
+
+@triton.jit
+def _chunk_pages(bt_row, c0, c_end, PAGE_SIZE: tl.constexpr, HOIST_PAGES: tl.constexpr):
+    """Block-table entries of tokens `c0 .. c_end - 1` as a register vector `[HOIST_PAGES]`
+    and the first one's index (unused placeholders without HOIST_PAGES)."""
+    first_page = c0 // PAGE_SIZE
+    offs_p = tl.arange(0, max(HOIST_PAGES, 1))
+    if HOIST_PAGES > 0:
+        pages = tl.load(bt_row + first_page + offs_p, mask=(first_page + offs_p) * PAGE_SIZE < c_end, other=0)
+    else:
+        pages = offs_p
+    return pages, first_page
 
 
 @triton.jit
@@ -111,6 +133,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
+    HOIST_PAGES: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -142,6 +165,12 @@ def _mla_split_kernel(
     start = split * split_items
     end = tl.minimum(start + split_items, n_items)
     o_ok = row_ok & ((start < n_items) | (split == 0))
+    # Dense with HOIST_PAGES: the range is walked in chunks whose block-table entries are
+    # loaded once into registers (a chunk spans at most HOIST_PAGES pages); otherwise in one.
+    if HOIST_PAGES > 0:
+        CHUNK: tl.constexpr = (HOIST_PAGES - 1) * PAGE_SIZE // BLOCK_N * BLOCK_N
+    else:
+        CHUNK = split_items
 
     if KV_SCALE_IS_PTR:
         kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
@@ -167,30 +196,34 @@ def _mla_split_kernel(
         acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            pos, tok_ok, kv_row = _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                           stride_kvt, BLOCK_N, PAGE_SIZE, SPARSE)
-            k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST)
-            k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
-            k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
-            k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
-            k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
-            qk = _dot(q_pe, tl.trans(k_pe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
-            qk = _dot(q0, tl.trans(k0), qk, DOT_UPCAST)
-            qk = _dot(q1, tl.trans(k1), qk, DOT_UPCAST)
-            qk = _dot(q2, tl.trans(k2), qk, DOT_UPCAST)
-            qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
-            m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
-            p = p.to(q0.dtype)
-            if RELOAD_V:  # see the unsplit loop below
-                k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-                k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-                k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-                k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-            acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
-            acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
-            acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
-            acc3 = _dot(p, k3, acc3 * alpha[:, None], DOT_UPCAST)
+        for c0 in range(start, end, CHUNK):
+            c_end = tl.minimum(c0 + CHUNK, end)
+            pages, first_page = _chunk_pages(bt_row, c0, c_end, PAGE_SIZE, HOIST_PAGES)
+            for n0 in range(c0, c_end, BLOCK_N):
+                pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
+                                               stride_kvt, pages, first_page, BLOCK_N, PAGE_SIZE, SPARSE,
+                                               HOIST_PAGES)
+                k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
+                qk = _dot(q_pe, tl.trans(k_pe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+                qk = _dot(q0, tl.trans(k0), qk, DOT_UPCAST)
+                qk = _dot(q1, tl.trans(k1), qk, DOT_UPCAST)
+                qk = _dot(q2, tl.trans(k2), qk, DOT_UPCAST)
+                qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
+                m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
+                p = p.to(q0.dtype)
+                if RELOAD_V:  # see the unsplit loop below
+                    k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                    k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                    k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                    k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
+                acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
+                acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
+                acc3 = _dot(p, k3, acc3 * alpha[:, None], DOT_UPCAST)
         inv_l = _inv_l(l_i, kv_scale)
         o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
         o_ptrs = o_row[:, None] + offs_c[None, :]
@@ -202,19 +235,23 @@ def _mla_split_kernel(
         offs_c = tl.arange(0, D_LATENT)
         q_nope = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
         acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            pos, tok_ok, kv_row = _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                           stride_kvt, BLOCK_N, PAGE_SIZE, SPARSE)
-            k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST)
-            k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q_nope.dtype, KV_CAST)
-            qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
-            qk = _dot(q_pe, tl.trans(k_pe), qk, DOT_UPCAST)
-            m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
-            if RELOAD_V:
-                # A second load of the same rows (an L1/L2 hit) gives each load a single
-                # consumer, which Triton can pipeline through shared memory.
-                k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST, True)
-            acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], DOT_UPCAST)
+        for c0 in range(start, end, CHUNK):
+            c_end = tl.minimum(c0 + CHUNK, end)
+            pages, first_page = _chunk_pages(bt_row, c0, c_end, PAGE_SIZE, HOIST_PAGES)
+            for n0 in range(c0, c_end, BLOCK_N):
+                pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
+                                               stride_kvt, pages, first_page, BLOCK_N, PAGE_SIZE, SPARSE,
+                                               HOIST_PAGES)
+                k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST)
+                k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q_nope.dtype, KV_CAST)
+                qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+                qk = _dot(q_pe, tl.trans(k_pe), qk, DOT_UPCAST)
+                m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
+                if RELOAD_V:
+                    # A second load of the same rows (an L1/L2 hit) gives each load a single
+                    # consumer, which Triton can pipeline through shared memory.
+                    k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST, True)
+                acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], DOT_UPCAST)
         inv_l = _inv_l(l_i, kv_scale)
         o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
         tl.store(o_row[:, None] + offs_c[None, :], acc * inv_l[:, None], mask=o_ok[:, None])

@@ -39,6 +39,7 @@ PARAM_SPACE = {
     "per_sm": (1, 2, 3, 4),
     "reload_v": (False, True),
     "split_d": (False, True),
+    "hoist_pages": (0, 64),
 }
 
 
@@ -60,6 +61,10 @@ class LaunchParams:
         split_items: KV tokens (dense) or top-k slots (sparse) per split, a multiple of
             block_n; `num_splits x split_items` must cover the longest request. 0 derives it
             from the block-table capacity (dense) or top-k (sparse) at launch.
+        hoist_pages: dense only; 0, or how many block-table entries a program loads into
+            registers at a time (a power of 2). Then no KV address depends on a load inside
+            the tile loop, and with num_stages >= 3 Triton keeps a tile in flight during the
+            compute of the previous one (without it the tile loads are not overlapped).
     """
 
     block_h: int = 64
@@ -70,11 +75,12 @@ class LaunchParams:
     split_d: bool = False
     split_items: int = 0
     reload_v: bool = False
+    hoist_pages: int = 0
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
-                f"x{self.num_splits}")
+                f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}x{self.num_splits}")
 
 
 def sm_count(device: torch.device) -> int:
@@ -158,21 +164,22 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     """Launch parameters for one `TILE_TABLE` entry, the splits chosen for this shape.
 
     A tile is `(block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v,
-    min_split_tokens)`, `per_sm` being how many programs of it fit on one SM.
+    min_split_tokens[, hoist_pages])`, `per_sm` being how many programs of it fit on one SM.
     With `lengths` (the per-request lengths, known in `prepare`) splits follow
     `balanced_splits`; without them (no host sync allowed) every request gets
     the same split count over `max_items`, the block table's capacity.
     """
-    block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v, min_split = tile
+    block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v, min_split, *rest = tile
+    hoist = rest[0] if rest and not sparse else 0
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
                                               per_sm=per_sm, block_n=block_n, min_split_tokens=min_split)
         return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items,
-                            reload_v)
+                            reload_v, hoist)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=min_split, waves=min(per_sm, 4))
-    return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, 0, reload_v)
+    return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, 0, reload_v, hoist)
 
 
 # The 64-row tiles need 180-216 KB of shared memory and were tuned for wgmma: only
@@ -275,6 +282,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         BLOCK_H=params.block_h, BLOCK_N=params.block_n,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
         DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
+        HOIST_PAGES=0 if sparse else params.hoist_pages,
         num_warps=params.num_warps, num_stages=params.num_stages,
     )
     if splits > 1:

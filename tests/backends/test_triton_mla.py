@@ -36,6 +36,11 @@ CPU_CASES = {
     "fp8_h1_scale_tensor": (dict(num_heads=1, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 33), None, None, True),
     "fp16_h3": (dict(num_heads=3, kv_cache_dtype="fp16", query_dtype="fp16", page_size=32), (2, 50), None, None,
                 False),
+    # block-table entries held in registers, 4 at a time: several chunks per split, ragged ends
+    "bf16_h3_hoisted_pages": (dict(num_heads=3, page_size=16), (5, 130), [1, 15, 16, 17, 130],
+                              (16, 16, 4, 3, 1, True, 0, False, 4), False),
+    "fp8_h5_hoisted_pages_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=32), (2, 200), None,
+                                    (16, 32, 4, 3, 2, True, 0, True, 4), False),
     "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
                              False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
