@@ -132,4 +132,7 @@ class BackendInfo:
     vllm_name: str | None = None        # vLLM's `--attention-backend` value, when vLLM has it
     sglang_name: str | None = None      # SGLang's `--attention-backend` value, when SGLang has it
     summary: str = ""
+    # Said whenever the engine's name is printed: where the engine's backend of that name
+    # runs other code than the one mla-tune timed.
+    engine_caveat: str = ""
     hardware: dict[str, str] = field(default_factory=dict)  # GPU family -> tested status

@@ -138,7 +138,9 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         Capabilities(**_TRITON, page_size_multiple=16),
         adapter="mla_tune.backends.triton_mla.adapter:TritonMLA",
         vllm_name="TRITON_MLA", sglang_name="triton",
-        summary="mla-tune's Triton decode kernel (FP8 dequantised on load)"),
+        summary="mla-tune's Triton decode kernel (FP8 dequantised on load)",
+        engine_caveat=("the engine's Triton MLA backend runs the engine's own Triton kernel, not "
+                       "mla-tune's, which is what was timed; expect different speed")),
     BackendInfo(
         "TRITON_MLA_SPARSE",
         Capabilities(**_TRITON, dense=False, sparse=True),

@@ -72,6 +72,8 @@ def render(choice, fmt: str) -> None:
                        f"makes its own choice (vLLM's static priority gives {choice.backend})", err=True)
         elif engine_name:
             click.echo(f"--attention-backend {engine_name}")
+            if info.engine_caveat:
+                click.echo(f"mla-tune: note: {info.engine_caveat}", err=True)
         else:
             click.echo(f"mla-tune: the tuned backend {choice.backend} has no {engine} equivalent; printing no "
                        f"flag, so {engine} makes its own choice", err=True)
