@@ -274,18 +274,30 @@ HOIST_CANDIDATES = {
 }
 
 
-def hoist_compare(args, bw, mm):
+# Round 2, second call: smaller minimum splits for the 64-row tiles (small batches are
+# latency bound: fewer tiles per program), and the hoisted FP8 16-row tile (0.971 in call 4).
+_S64 = [(64, 64, 8, 2, True, 1, False, 128), (64, 64, 8, 2, True, 1, False, 64)]
+SPLIT_SHAPES = {16: [(16, 1, 1024), (16, 4, 4096), (16, 64, 4096)],
+                64: [(64, 1, 1024), (64, 1, 4096), (64, 4, 1024), (64, 4, 16384), (64, 64, 4096)],
+                128: [(128, 1, 1024), (128, 4, 4096), (128, 16, 4096)]}
+SPLIT_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 128, 64), (16, 32, 4, 2, True, 2, True, 64, 64)],
+                    ("16bit", 16): [(16, 32, 4, 2, True, 3, False, 64)],
+                    ("16bit", 64): _S64, ("16bit", 128): _S64, ("fp8", 64): _S64, ("fp8", 128): _S64}
+
+
+def hoist_compare(args, bw, mm, candidates=None, shapes=None):
     """Shipped tile vs hoisted-page candidates per bucket; returns {(kind, bucket): winner tile}.
 
     A candidate replaces the shipped tile when its geometric-mean time ratio over the
     bucket's shapes is below 0.97 and no shape of the bucket gets more than 10% slower.
     """
     from mla_tune.backends.triton_mla.launch import TILE_TABLE
+    candidates, shapes = candidates or HOIST_CANDIDATES, shapes or HOIST_SHAPES
     winners = {}
-    for (kind, bkt), cands in HOIST_CANDIDATES.items():
+    for (kind, bkt), cands in candidates.items():
         tiles = [TILE_TABLE[(kind, bkt)]] + cands
         times = {t: [] for t in tiles}
-        for heads, batch, kv_len in HOIST_SHAPES[bkt]:
+        for heads, batch, kv_len in shapes[bkt]:
             if time.time() - T0 > args.budget_s:
                 log("# hoist budget reached")
                 return winners
@@ -430,7 +442,7 @@ def summarize(summary):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist"])
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -442,7 +454,7 @@ def main():
     ap.add_argument("--sparse-budget-s", type=float, default=1e9, help="stop the sparse runs after this")
     ap.add_argument("--fa2-bf16", action="store_true", help="also time FA2 with bf16 KV")
     ap.add_argument("--sweep-heads", default="64,16,128,32")
-    ap.add_argument("--apply", action="store_true", help="hoist: write the winners into launch.py")
+    ap.add_argument("--apply", action="store_true", help="hoist/splits: write the winners into launch.py")
     ap.add_argument("--sweep-waves", action="store_true", help="also try 1 and 4 waves for each winner")
     args = ap.parse_args()
     name = torch.cuda.get_device_name(0)
@@ -457,8 +469,9 @@ def main():
     table = None
     if args.mode == "compare":
         compare(args, bw, mm)
-    if args.mode == "hoist":
-        winners = hoist_compare(args, bw, mm)
+    if args.mode in ("hoist", "splits"):
+        winners = (hoist_compare(args, bw, mm) if args.mode == "hoist"
+                   else hoist_compare(args, bw, mm, SPLIT_CANDIDATES, SPLIT_SHAPES))
         if args.apply:
             apply_tiles(winners)
     if args.mode in ("sweep", "all"):

@@ -120,11 +120,11 @@ def rows_bucket(rows: int) -> int:
 # H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
     ("16bit", 16): (16, 32, 4, 2, True, 3, False, 128),
-    ("16bit", 32): (16, 32, 4, 2, True, 3, False, 128),   # two 16-row blocks share the tile via L2
+    ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128, 64),   # two 16-row blocks share the tile via L2
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 256),
     ("16bit", 128): (64, 64, 8, 2, True, 1, False, 256),
     ("fp8", 16): (16, 32, 4, 2, True, 2, True, 128),
-    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128),
+    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128, 64),
     ("fp8", 64): (64, 64, 8, 2, True, 1, False, 256),
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 256),
 }
