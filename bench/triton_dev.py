@@ -285,6 +285,58 @@ SPLIT_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 128, 64), (16, 3
                     ("16bit", 64): _S64, ("16bit", 128): _S64, ("fp8", 64): _S64, ("fp8", 128): _S64}
 
 
+# Round 2, third call: the cost of the fp32 split partials in the split-size model
+# (launch.PARTIAL_ROW_TOKENS), on shapes where it changes the split count.
+PARTIAL_COSTS = (0.0, 0.005, 0.02)
+PARTIAL_SHAPES = [(128, 128, 1024), (64, 128, 1024), (128, 16, 4096), (64, 64, 4096), (64, 4, 16384),
+                  (16, 64, 4096), (32, 128, 1024), (128, 64, 16384)]
+
+
+def partials_compare(args, bw, mm):
+    """Time the default tiles with each PARTIAL_COSTS value; return the winning value.
+
+    A nonzero value wins only if its geometric-mean time ratio against 0 over all shapes
+    and both KV dtypes is below 0.97 and no shape gets more than 10% slower.
+    """
+    from mla_tune.backends.triton_mla.launch import TILE_TABLE
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    times = {c: [] for c in PARTIAL_COSTS}
+    for heads, batch, kv_len in PARTIAL_SHAPES:
+        for kv_dtype in ("bf16", "fp8_e4m3"):
+            if time.time() - T0 > args.budget_s:
+                log("# partials budget reached")
+                break
+            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(batch, kv_len))
+            roof = case.roofline_us(bw, mm)
+            tile = TILE_TABLE[(kv_kind(kv_dtype), bucket(heads))]
+            for c in PARTIAL_COSTS:
+                params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
+                                          num_sms=sms, lengths=case.lengths, partial_row_tokens=c)
+                r = check_and_time(case, TritonMLA(params))
+                log("partials " + fmt_line(case, params.label(), r, roof, f"c={c}"))
+                times[c].append(r["us"] if r["status"] == "ok" else None)
+            case.free()
+    base, best, best_gm = times[0.0], 0.0, 0.97
+    for c in PARTIAL_COSTS[1:]:
+        if any(t is None for t in times[c]) or any(b is None for b in base):
+            continue
+        ratios = [t / b for t, b in zip(times[c], base)]
+        gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        log(f"# partials c={c}: time ratio vs 0 {gm:.3f} (max {max(ratios):.3f})")
+        if gm < best_gm and max(ratios) < 1.10:
+            best, best_gm = c, gm
+    log(f"# partials winner: {best}")
+    return best
+
+
+def apply_partial_cost(value, path="backends/triton_mla/launch.py"):
+    import re
+    text, n = re.subn(r"^PARTIAL_ROW_TOKENS = .*$", f"PARTIAL_ROW_TOKENS = {value!r}", open(path).read(), flags=re.M)
+    assert n == 1
+    open(path, "w").write(text)
+    log(f"# applied PARTIAL_ROW_TOKENS = {value!r} to {path}")
+
+
 def hoist_compare(args, bw, mm, candidates=None, shapes=None):
     """Shipped tile vs hoisted-page candidates per bucket; returns {(kind, bucket): winner tile}.
 
@@ -442,7 +494,7 @@ def summarize(summary):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits"])
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -469,6 +521,10 @@ def main():
     table = None
     if args.mode == "compare":
         compare(args, bw, mm)
+    if args.mode == "partials":
+        value = partials_compare(args, bw, mm)
+        if args.apply:
+            apply_partial_cost(value)
     if args.mode in ("hoist", "splits"):
         winners = (hoist_compare(args, bw, mm) if args.mode == "hoist"
                    else hoist_compare(args, bw, mm, SPLIT_CANDIDATES, SPLIT_SHAPES))

@@ -35,7 +35,7 @@ PARAM_SPACE = {
     "block_n": (16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3),
-    "min_split_tokens": (128, 256, 512, 1024),
+    "min_split_tokens": (64, 128, 256, 512, 1024),
     "per_sm": (1, 2, 3, 4),
     "reload_v": (False, True),
     "split_d": (False, True),
@@ -119,28 +119,37 @@ def rows_bucket(rows: int) -> int:
 # (KV kind, rows bucket) -> tile (see `params_from_tile`). Chosen from measurements on one
 # H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
-    ("16bit", 16): (16, 32, 4, 2, True, 3, False, 128),
+    ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
     ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128, 64),   # two 16-row blocks share the tile via L2
-    ("16bit", 64): (64, 64, 8, 2, True, 1, False, 256),
-    ("16bit", 128): (64, 64, 8, 2, True, 1, False, 256),
-    ("fp8", 16): (16, 32, 4, 2, True, 2, True, 128),
+    ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
+    ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64),
+    ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 64),
     ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128, 64),
-    ("fp8", 64): (64, 64, 8, 2, True, 1, False, 256),
-    ("fp8", 128): (64, 64, 8, 2, True, 1, False, 256),
+    ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64),
+    ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64),
 }
 
 
+# Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
+# writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
+# that the makespan model below otherwise ignores (0 = ignore it, the call-5 default).
+PARTIAL_ROW_TOKENS = 0.0
+
+
 def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: int, block_n: int,
-                    min_split_tokens: int) -> tuple[int, int]:
+                    min_split_tokens: int, block_h: int = 64,
+                    partial_row_tokens: float | None = None) -> tuple[int, int]:
     """(num_splits, split_items) that minimise the modelled makespan of a ragged batch.
 
     Splits have a fixed size `s` (a multiple of block_n), so long requests get
     more of them. The model: `m_blocks x sum(ceil(len / s))` programs run in
     waves of `num_sms x per_sm` resident programs and a wave lasts as long as
     its longest program (`s` tokens), so the cost is `waves x s`; ties go to
-    the larger `s` (fewer partials to combine). The workspace bound holds:
-    `batch x num_splits <= batch + 4 x SMs`.
+    the larger `s` (fewer partials to combine). With more than one split, every
+    program adds `partial_row_tokens x block_h` for its partial (PARTIAL_ROW_TOKENS by
+    default). The workspace bound holds: `batch x num_splits <= batch + 4 x SMs`.
     """
+    row_cost = PARTIAL_ROW_TOKENS if partial_row_tokens is None else partial_row_tokens
     batch, max_len = len(lengths), max(max(lengths), 1)
     cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
     slots = num_sms * per_sm
@@ -153,6 +162,8 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
             continue
         programs = m_blocks * sum(max(1, triton.cdiv(n, s)) for n in lengths)
         cost = triton.cdiv(programs, slots) * s
+        if triton.cdiv(max_len, s) > 1:
+            cost += row_cost * block_h * programs
         if best_cost is None or cost <= best_cost:
             best_cost, best_s = cost, s
     best_s = max(best_s, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n)
@@ -160,7 +171,8 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
 
 
 def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                     sparse: bool = False, lengths: list[int] | None = None) -> LaunchParams:
+                     sparse: bool = False, lengths: list[int] | None = None,
+                     partial_row_tokens: float | None = None) -> LaunchParams:
     """Launch parameters for one `TILE_TABLE` entry, the splits chosen for this shape.
 
     A tile is `(block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v,
@@ -174,7 +186,8 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
-                                              per_sm=per_sm, block_n=block_n, min_split_tokens=min_split)
+                                              per_sm=per_sm, block_n=block_n, min_split_tokens=min_split,
+                                              block_h=block_h, partial_row_tokens=partial_row_tokens)
         return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items,
                             reload_v, hoist)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,

@@ -169,7 +169,7 @@ def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
     for batch, kv_len in [(1, 4096), (4, 16384), (16, 16384), (64, 4096), (128, 32768)]:
         lengths = ragged_lengths(Shape(batch, kv_len), page_size=64, seed=3)
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=1, num_sms=132, per_sm=1,
-                                              block_n=64, min_split_tokens=256)
+                                              block_n=64, min_split_tokens=256, partial_row_tokens=0.0)
         programs = sum(math.ceil(n / split_items) for n in lengths)
         assert splits * split_items >= max(lengths), "the splits must cover the longest request"
         assert split_items % 64 == 0 and split_items >= 256
