@@ -132,8 +132,9 @@ TILE_TABLE = {
 
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
-# that the makespan model below otherwise ignores (0 = ignore it, the call-5 default).
-PARTIAL_ROW_TOKENS = 0.0
+# that the makespan model below otherwise ignores (0.02: measured in device call 6, see
+# bench/TRITON_NOTES.md; 0 ignores it).
+PARTIAL_ROW_TOKENS = 0.02
 
 
 def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: int, block_n: int,
