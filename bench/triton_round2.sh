@@ -15,7 +15,7 @@ python3 bench/kernels.py --dense-only --max-seconds 0.4 --time-budget-s 170 \
   --out "$OUT/kernels-h100-dense-20261122.txt" > /dev/null
 python3 bench/kernels.py --sparse-only --kv-len 32768 --max-seconds 0.4 --time-budget-s 60 \
   --out "$OUT/kernels-h100-sparse-20261122.txt" > /dev/null
-G=$(left 520)
+G=$(left 470)
 echo "# grid budget ${G}s"
 if [ "$G" -gt 40 ]; then
   python3 bench/triton_dev.py grid --flashinfer --grid-budget-s "$G" --out "$OUT/triton_grid2_h100.txt" > /dev/null
