@@ -16,7 +16,7 @@ import threading
 import types
 from dataclasses import dataclass, field
 
-from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
+from mla_tune.backends.device import COMPATIBILITY_FIELDS, DeviceInfo, SoftwareFingerprint
 from mla_tune.backends.priority import static_choice, static_priority
 from mla_tune.backends.problem import DeviceSpec, Geometry, Problem, parse_compute_capability
 from mla_tune.backends.registry import BACKENDS, backend_reasons, candidates
@@ -261,9 +261,12 @@ def _stored_decisions(url: str | None, key, device: DeviceInfo):
 
 
 def _compatible(stored: SoftwareFingerprint, current: SoftwareFingerprint) -> list[str]:
-    # Without a probe we do not know the driver; judge the rest rather than call every decision stale.
-    if not current.driver:
-        current = SoftwareFingerprint(**{**current.to_dict(), "driver": stored.driver})
+    # What this process cannot know is not judged: the driver without a probe, and torch, triton or
+    # flashinfer where they are not installed (an init container or a CLI venv that only looks up
+    # for the engine beside it). What it does know, and our kernel sources, must match.
+    unknown = {field: getattr(stored, field) for field in COMPATIBILITY_FIELDS if not getattr(current, field)}
+    if unknown:
+        current = SoftwareFingerprint(**{**current.to_dict(), **unknown})
     return current.incompatibilities(stored)
 
 

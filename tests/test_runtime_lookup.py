@@ -371,3 +371,19 @@ def test_tuned_choice_reports_the_stored_key_and_skips_unknown_winners(tmp_path)
     clear_cache()
     choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
     assert choice.source == "fallback" and "SOME_FUTURE_MLA" in choice.why
+
+
+def test_packages_missing_from_the_looking_up_process_are_not_judged(tmp_path, monkeypatch):
+    # An init container or a CLI venv without torch looks up for the engine beside it: what it
+    # cannot know is not compared, while what it knows (our kernel sources) still must match.
+    stored = replace(current_fingerprint(driver_version=H100.driver_version), torch="2.11.0+cu130",
+                     triton="3.6.0", flashinfer="0.7.2.post1")
+    url = tuned_db(tmp_path / "initc.db", decision_for(H100, fingerprint=stored))
+    here = replace(stored, torch="", triton="", flashinfer="")
+    monkeypatch.setattr("mla_tune.backends.software.current_fingerprint", lambda **_: here)
+    assert mla_tune.lookup(64, "fp8", device=H100_ARG, db=url).source == "tuned"
+    clear_cache()
+    monkeypatch.setattr("mla_tune.backends.software.current_fingerprint",
+                        lambda **_: replace(here, kernel_hash="0" * 16))
+    stale = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
+    assert stale.source == "fallback" and "kernel_hash" in stale.why
