@@ -33,7 +33,7 @@ def main() -> None:
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     print(f"# {pynvml.nvmlDeviceGetName(handle)}, power limit "
-          f"{pynvml.nvmlDeviceGetEnforcedPowerManagementLimit(handle) / 1000:.0f} W, FA3 bf16 uniform lengths")
+          f"{pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000:.0f} W, FA3 bf16 uniform lengths")
     print("heads batch kv_len  t_s  median_us  sm_mhz  power_w  temp_c  reference_us")
     for heads, batch, kv_len, reference_us in SHAPES:
         problem = Problem(num_heads=heads, kv_cache_dtype="bf16")
