@@ -9,6 +9,7 @@ import click
 
 from mla_tune.cli.output import fail, print_json, warn
 from mla_tune.cli.params import ComputeCapability, problem_options
+from mla_tune.engines import ENGINES
 
 FORMATS = ("text", "json", "vllm", "sglang", "env")
 
@@ -21,19 +22,26 @@ FORMATS = ("text", "json", "vllm", "sglang", "env")
               help="Compute capability of --device-name, e.g. 9.0.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text for people, json for programs, vllm/sglang for the engine's flag, env for scripts.")
+@click.option("--engine", type=click.Choice(ENGINES), default=None,
+              help="Answer with the best backend this engine has, ranked by the stored scores.")
 @click.pass_context
 def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype, device_name,
-           compute_capability, fmt) -> None:
+           compute_capability, fmt, engine) -> None:
     """Print the tuned backend for a problem on this GPU, or vLLM's static choice and why.
 
     A store that cannot be read is a warning on stderr, never a failure: the
     static choice is printed and the exit status is 0.
+
+    With --engine, the answer is the best-scoring backend among those the
+    engine has (the tuned winner when the engine has it).
 
     Example: vllm serve deepseek-ai/DeepSeek-V3 $(mla-tune lookup --heads 16 --kv-cache-dtype fp8 --format vllm)
     """
     from mla_tune.cli.main import db_url
     from mla_tune.runtime import NoDeviceError, NoEligibleBackendError, lookup as run_lookup
 
+    if engine and fmt in ENGINES and fmt != engine:
+        raise click.UsageError(f"--format {fmt} prints {fmt}'s flag; it cannot go with --engine {engine}")
     if (device_name is None) != (compute_capability is None):
         raise click.UsageError("--device-name and --cc go together (give both, or neither to probe the GPU)")
     if device_name is not None and not device_name.strip():
@@ -52,16 +60,32 @@ def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype,
         raise click.UsageError(str(exc)) from None
     for text in choice.warnings:
         warn(f"{text}; using vLLM's static choice")
-    render(choice, fmt)
+    ranked = None
+    if engine:
+        from mla_tune.engines import choice_for_engine
+
+        ranked = choice_for_engine(choice, engine, db=url)
+    render(choice, fmt, ranked)
 
 
-def render(choice, fmt: str) -> None:
-    """Print `choice` in one of FORMATS."""
+def render(choice, fmt: str, ranked=None) -> None:
+    """Print `choice` in one of FORMATS; `ranked` is the `EngineChoice` when an engine was named."""
     from mla_tune.backends.registry import BACKENDS
 
     info = BACKENDS[choice.backend]
     if fmt == "json":
-        print_json(choice.to_dict())
+        data = choice.to_dict()
+        if ranked is not None:
+            data["engine"] = {"engine": ranked.engine, "backend": ranked.backend,
+                              "engine_backend": ranked.engine_backend, "score": ranked.score,
+                              "basis": ranked.basis, "reason": ranked.reason}
+        print_json(data)
+    elif fmt in ("vllm", "sglang") and ranked is not None and ranked.basis in ("winner", "ranked"):
+        click.echo(f"--attention-backend {ranked.engine_backend}")
+        if ranked.basis == "ranked":
+            click.echo(f"mla-tune: {ranked.reason}", err=True)
+        if BACKENDS[ranked.backend].engine_caveat:
+            click.echo(f"mla-tune: note: {BACKENDS[ranked.backend].engine_caveat}", err=True)
     elif fmt in ("vllm", "sglang"):
         engine_name = info.vllm_name if fmt == "vllm" else info.sglang_name
         engine = "vLLM" if fmt == "vllm" else "SGLang"
@@ -81,6 +105,8 @@ def render(choice, fmt: str) -> None:
         values = {"MLA_TUNE_BACKEND": choice.backend, "MLA_TUNE_SOURCE": choice.source,
                   "MLA_TUNE_VLLM_BACKEND": info.vllm_name or "",
                   "MLA_TUNE_SGLANG_BACKEND": info.sglang_name or ""}
+        if ranked is not None:
+            values["MLA_TUNE_ENGINE_BACKEND"] = ranked.engine_backend or ""
         click.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in values.items()))
     else:
         margin = f", margin {100 * choice.margin:.1f}% over {choice.runner_up}" \
@@ -89,5 +115,7 @@ def render(choice, fmt: str) -> None:
         click.echo(f"  why: {choice.why}")
         if choice.source == "tuned" and choice.static_choice and choice.static_choice != choice.backend:
             click.echo(f"  vLLM's static choice would be {choice.static_choice}")
+        if ranked is not None:
+            click.echo(f"  for {ranked.engine}: {ranked.engine_backend or 'no flag'} ({ranked.reason})")
         for name, texts in choice.reasons.items():
             click.echo(f"  not {name}: {'; '.join(t for t in texts if t != choice.why)}")

@@ -195,3 +195,24 @@ def test_main_job_without_gpu_says_so_and_shows_static_choices(cli, isolated_sto
                  "16 heads: FLASHINFER_MLA_SPARSE"):
         assert text in result.stdout
     assert not isolated_store.exists()
+
+
+def test_engine_ranks_only_the_engines_backends(cli, db):
+    # The 64-head winner FLASHINFER_FA3_MLA has no vLLM name: plain --format vllm prints no flag,
+    # --engine vllm gives the best-scoring backend vLLM has (TRITON_MLA, score 1.3) and says why.
+    plain = cli("--db", db, "lookup", "--heads", "64", "--kv-cache-dtype", "fp8", *ON_H100, "--format", "vllm")
+    assert plain.stdout == ""
+    ranked = cli("--db", db, "lookup", "--heads", "64", "--kv-cache-dtype", "fp8", *ON_H100,
+                 "--format", "vllm", "--engine", "vllm")
+    assert ranked.exit_code == 0 and ranked.stdout == "--attention-backend TRITON_MLA\n"
+    assert "best-scoring backend it has is TRITON_MLA" in ranked.stderr
+    data = json.loads(cli("--db", db, "lookup", "--heads", "64", "--kv-cache-dtype", "fp8", *ON_H100,
+                          "--format", "json", "--engine", "sglang").stdout)
+    assert data["backend"] == "FLASHINFER_FA3_MLA"
+    assert data["engine"]["engine_backend"] == "flashinfer" and data["engine"]["basis"] == "winner"
+
+
+def test_engine_and_another_engines_format_is_a_usage_error(cli, db):
+    result = cli("--db", db, "lookup", "--heads", "64", "--kv-cache-dtype", "fp8", *ON_H100,
+                 "--format", "sglang", "--engine", "vllm")
+    assert result.exit_code == 2 and "cannot go with --engine vllm" in result.stderr
