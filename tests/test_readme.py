@@ -27,8 +27,13 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def matrix_rows() -> tuple[list[str], dict[str, list[str]]]:
-    text = readme().split("<!-- support-matrix", 1)[1]
-    lines = [line for line in text.splitlines() if line.startswith("|")]
+    text = readme().split("<!-- support-matrix", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("|"))
+    lines = []
+    for line in text[start:]:  # the table ends at its first non-table line
+        if not line.startswith("|"):
+            break
+        lines.append(line)
     header = [cell.strip() for cell in lines[0].strip("|").split("|")][1:]
     rows = {}
     for line in lines[2:]:
