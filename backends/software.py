@@ -116,3 +116,19 @@ def current_fingerprint(*, driver_version: str = "") -> SoftwareFingerprint:
         mla_tune=__version__,
         kernel_hash=kernel_hash(),
     )
+
+
+def compatibility_problems(stored: SoftwareFingerprint, current: SoftwareFingerprint) -> list[str]:
+    """Why a decision measured with `stored` may not be used with `current`; empty = compatible.
+
+    What the current process cannot know is not judged: the driver without an NVML
+    probe, and torch, triton or flashinfer where they are not installed (an init
+    container or a CLI venv that looks up for the engine beside it). What it does
+    know, and our kernel sources, must match.
+    """
+    from mla_tune.backends.device import COMPATIBILITY_FIELDS
+
+    unknown = {field: getattr(stored, field) for field in COMPATIBILITY_FIELDS if not getattr(current, field)}
+    if unknown:
+        current = SoftwareFingerprint(**{**current.to_dict(), **unknown})
+    return current.incompatibilities(stored)

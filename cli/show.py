@@ -9,20 +9,45 @@ import click
 from mla_tune.cli.output import fail, print_json, table
 
 
-def decision_rows(decisions) -> list[list[str]]:
-    """Table rows (GPU SKU, key, winner, margin, static choice, anomalies) for `decisions`."""
+def current_software():
+    """This process's software fingerprint, with the driver when NVML can be read."""
+    from mla_tune.backends.software import current_fingerprint
+    from mla_tune.tuner.probe import ProbeError, probe_devices
+
+    try:
+        devices = probe_devices()
+    except ProbeError:
+        devices = []
+    return current_fingerprint(driver_version=devices[0].driver_version if devices else "")
+
+
+def staleness(decisions, current) -> list[list[str]]:
+    """For each decision, why it is stale for `current` software (empty = current)."""
+    from mla_tune.backends.software import compatibility_problems
+
+    return [compatibility_problems(d.fingerprint, current) for d in decisions]
+
+
+def decision_rows(decisions, current=None) -> list[list[str]]:
+    """Table rows (GPU SKU, key, winner, margin, static choice, anomalies, software, when) for `decisions`.
+
+    `current` is the software to judge staleness against (default: this process's).
+    """
+    stale = staleness(decisions, current if current is not None else current_software())
     rows = []
-    for d in decisions:
+    for d, problems in zip(decisions, stale):
         margin = f"{100 * d.margin:.1f}% over {d.runner_up}" if d.margin is not None and d.runner_up else "-"
         static = d.static_choice or "-"
         if d.kept_static:
             static += " (kept: within noise)"
+        software = f"STALE: {'; '.join(problems)}" if problems else "current"
         rows.append([d.key.sku, d.key.label, d.winner, margin, static,
-                     "; ".join(d.anomalies) or "-", d.decided_at or "-"])
+                     "; ".join(d.anomalies) or "-", software, d.decided_at or "-"])
     return rows
 
 
-DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", "anomalies", "decided at"]
+DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", "anomalies", "software",
+                    "decided at"]
 
 
 @click.command()
@@ -32,6 +57,10 @@ DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", 
 @click.pass_context
 def show(ctx, as_json: bool, fleet: bool) -> None:
     """Print every stored decision: key, winner, margin over the runner-up, vLLM's static choice, anomalies.
+
+    Decisions measured with other software than this process has (torch, triton,
+    flashinfer, our kernel sources, the driver) are marked STALE: `lookup`
+    ignores them and `mla-tune` re-tunes them.
 
     Exits with status 1 and one line when the store cannot be opened.
 
@@ -52,10 +81,12 @@ def show(ctx, as_json: bool, fleet: bool) -> None:
     except StoreError as exc:
         raise fail(str(exc)) from None
     decisions.sort(key=lambda d: (d.key.sku, d.key.kv_cache_dtype, d.key.topk, -d.key.num_heads, d.key.page_size))
+    current = current_software()
     if as_json:
-        print_json([dataclasses.asdict(d) for d in decisions])
+        print_json([{**dataclasses.asdict(d), "stale": problems}
+                    for d, problems in zip(decisions, staleness(decisions, current))])
         return
     if not decisions:
         click.echo(f"no decisions stored in {where} yet; run `mla-tune` on a GPU node to tune")
         return
-    table(f"Decisions in {where}", DECISION_COLUMNS, decision_rows(decisions))
+    table(f"Decisions in {where}", DECISION_COLUMNS, decision_rows(decisions, current))

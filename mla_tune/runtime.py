@@ -16,7 +16,7 @@ import threading
 import types
 from dataclasses import dataclass, field
 
-from mla_tune.backends.device import COMPATIBILITY_FIELDS, DeviceInfo, SoftwareFingerprint
+from mla_tune.backends.device import DeviceInfo
 from mla_tune.backends.priority import static_choice, static_priority
 from mla_tune.backends.problem import DeviceSpec, Geometry, Problem, parse_compute_capability
 from mla_tune.backends.registry import BACKENDS, backend_reasons, candidates
@@ -260,16 +260,6 @@ def _stored_decisions(url: str | None, key, device: DeviceInfo):
     return matching, ""
 
 
-def _compatible(stored: SoftwareFingerprint, current: SoftwareFingerprint) -> list[str]:
-    # What this process cannot know is not judged: the driver without a probe, and torch, triton or
-    # flashinfer where they are not installed (an init container or a CLI venv that only looks up
-    # for the engine beside it). What it does know, and our kernel sources, must match.
-    unknown = {field: getattr(stored, field) for field in COMPATIBILITY_FIELDS if not getattr(current, field)}
-    if unknown:
-        current = SoftwareFingerprint(**{**current.to_dict(), **unknown})
-    return current.incompatibilities(stored)
-
-
 def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_dtype, topk, geometry,
              q_len) -> Choice:
     from mla_tune.store.records import DecisionKey
@@ -292,12 +282,12 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
     elif not decisions:
         why = f"no tuned decision for {key.label} on {info.name} ({spec.cc_label})"
     else:
-        from mla_tune.backends.software import current_fingerprint
+        from mla_tune.backends.software import compatibility_problems, current_fingerprint
 
         current = current_fingerprint(driver_version=info.driver_version)
         stale = []
         for decision in decisions:
-            problems = _compatible(decision.fingerprint, current)
+            problems = compatibility_problems(decision.fingerprint, current)
             if decision.winner not in BACKENDS:
                 problems.append(f"its winner {decision.winner!r} is not a backend this mla-tune knows")
             if not problems:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from contextlib import closing
@@ -84,6 +85,20 @@ def test_db_upgrade_creates_and_show_lists(cli, tmp_path):
     data = json.loads(cli("--db", url, "show", "--json").stdout)
     assert data[0]["winner"] == "FLASHINFER_MLA" and data[0]["key"]["num_heads"] == 64
     assert data[0]["anomalies"] == ["TRITON_MLA slower than trend at 64 heads"]
+    assert data[0]["stale"] == [] and "current" in table.stdout
+
+
+def test_show_marks_decisions_made_with_other_software_stale(cli, tmp_path):
+    url = f"sqlite:///{tmp_path / 'stale.db'}"
+    key = DecisionKey.of(B200.sku, (10, 0), Problem(num_heads=16, kv_cache_dtype="bf16"))
+    old = dataclasses.replace(current_fingerprint(), triton="3.2.0")
+    with Store.open(url) as store:
+        store.save_decision(Decision(key=key, winner="TRITON_MLA", static_choice="FLASHINFER_MLA",
+                                     scores={"TRITON_MLA": 1.0}, fingerprint=old,
+                                     decided_at="2026-11-22T03:00:00Z"))
+    assert "STALE: triton" in cli("--db", url, "show").stdout
+    (row,) = json.loads(cli("--db", url, "show", "--json").stdout)
+    assert any("triton" in problem and "3.2.0" in problem for problem in row["stale"])
 
 
 def test_db_upgrade_initialises_an_empty_file(cli, tmp_path):
