@@ -16,6 +16,16 @@ def _open(ctx, *, create: bool):
     return Store.open(db_url(ctx), create=create)
 
 
+def _missing_sqlite_file(ctx) -> bool:
+    import os
+
+    from mla_tune.cli.main import db_url
+    from mla_tune.store.sqlite_file import sqlite_path
+
+    path = sqlite_path(db_url(ctx))
+    return path is not None and not os.path.exists(path)
+
+
 @click.command("export")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, writable=True),
               metavar="FILE", help="Where to write the export (JSON, schema in docs/export-schema.md).")
@@ -66,11 +76,22 @@ def import_cmd(ctx, files: tuple[str, ...], check: bool, max_bytes: int | None) 
         documents = [read_export(path, max_bytes=max_bytes or MAX_IMPORT_BYTES) for path in files]
     except ExchangeError as exc:
         raise fail(str(exc), exit_code=2) from None
-    try:
-        with _open(ctx, create=not check) as store:
-            report = import_documents(store, documents, files=list(files), check=check, decide=decide)
-    except StoreError as exc:
-        raise fail(str(exc)) from None
+    if check and _missing_sqlite_file(ctx):
+        # Nothing stored yet: everything would be added. Compare with an empty store of our own
+        # rather than create the user's database for a check.
+        import tempfile
+
+        from mla_tune.store.repository import Store
+
+        click.echo("mla-tune: the database does not exist yet; comparing with an empty one", err=True)
+        with tempfile.TemporaryDirectory() as scratch, Store.open(f"sqlite:///{scratch}/empty.db") as store:
+            report = import_documents(store, documents, files=list(files), check=True, decide=decide)
+    else:
+        try:
+            with _open(ctx, create=not check) as store:
+                report = import_documents(store, documents, files=list(files), check=check, decide=decide)
+        except StoreError as exc:
+            raise fail(str(exc)) from None
     for line in report.lines():
         click.echo(line)
 

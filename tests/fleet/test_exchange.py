@@ -91,6 +91,13 @@ def test_check_reports_and_writes_nothing(source, store_url):
     assert dump_tables(store_url) == before
 
 
+def test_check_against_a_database_not_yet_created_reports_and_creates_nothing(tmp_path, source, capsys):
+    target = tmp_path / "later" / "fleet.db"
+    code, out, err = _main(["--db", f"sqlite:///{target}", "import", str(source), "--check"], capsys)
+    assert code == 0 and "would add" in out and "does not exist yet" in err
+    assert not target.exists() and not target.parent.exists()
+
+
 def test_imported_decision_is_looked_up_with_the_same_answer(tmp_path, store_url):
     from mla_tune.backends.software import current_fingerprint
 
