@@ -1,0 +1,67 @@
+"""Issue 4's figures from a `bench/kernels.py` result file: our Triton kernel against FlashInfer.
+
+For each KV dtype: the geometric mean over shapes of FlashInfer's time / ours (the faster of
+FA2/FA3 for FP8, FA3 for bf16; > 1 means ours is faster), the same at batch >= 64 and
+kv_len >= 4096, how many shapes ours wins, and our fraction of the roofline (the file's `frac`
+column) at batch >= 64, kv_len >= 4096, heads <= 64.
+
+Usage: python3 bench/summarize_kernels.py bench/results/kernels-h100-dense-20261122.txt
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import defaultdict
+
+
+def read(path: str):
+    """{(kv, heads, batch, kv_len): {backend: (median_us, frac)}} for every `ok` row."""
+    rows = defaultdict(dict)
+    for line in open(path):
+        cells = line.split()
+        if line.startswith(("#", "kv ")) or len(cells) < 13 or cells[-1] != "ok":
+            continue
+        key = (cells[0], int(cells[1]), int(cells[2]), int(cells[3]))
+        rows[key][cells[5].removesuffix("_SPARSE")] = (float(cells[6]), float(cells[10]))
+    return rows
+
+
+def geomean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def summarize(path: str) -> list[str]:
+    lines = []
+    rows = read(path)
+    for kv in ("bf16", "fp8_e4m3"):
+        ratios, large, fracs = [], [], []
+        for (k, heads, batch, kv_len), times in rows.items():
+            if k != kv or "TRITON_MLA" not in times or "FLASHINFER_FA3_MLA" not in times:
+                continue
+            flashinfer = [times[name][0] for name in ("FLASHINFER_FA2_MLA", "FLASHINFER_FA3_MLA") if name in times]
+            theirs = min(flashinfer) if kv.startswith("fp8") else times["FLASHINFER_FA3_MLA"][0]
+            ratio = theirs / times["TRITON_MLA"][0]
+            ratios.append(ratio)
+            if batch >= 64 and kv_len >= 4096:
+                large.append(ratio)
+                if heads <= 64:
+                    fracs.append(times["TRITON_MLA"][1])
+        if not ratios:
+            continue
+        versus = "the faster of FA2/FA3" if kv.startswith("fp8") else "FA3"
+        wins = sum(r > 1 for r in ratios)
+        lines.append(f"{kv}: {len(ratios)} shapes; FlashInfer ({versus}) / ours = {geomean(ratios):.2f} "
+                     f"(geomean), {geomean(large):.2f} at batch >= 64 and kv_len >= 4096; ours faster on "
+                     f"{wins}/{len(ratios)}")
+        if fracs:
+            fracs.sort()
+            lines.append(f"  our roofline fraction at batch >= 64, kv_len >= 4096, heads <= 64: median "
+                         f"{fracs[len(fracs) // 2]:.2f}, range {fracs[0]:.2f}-{fracs[-1]:.2f} over {len(fracs)} shapes")
+    return lines
+
+
+if __name__ == "__main__":
+    for result_file in sys.argv[1:]:
+        print(result_file)
+        print("\n".join(summarize(result_file)))
