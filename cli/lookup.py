@@ -64,7 +64,7 @@ def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype,
     if engine:
         from mla_tune.engines import choice_for_engine
 
-        ranked = choice_for_engine(choice, engine, db=url)
+        ranked = choice_for_engine(choice, engine)
     render(choice, fmt, ranked)
 
 

@@ -142,32 +142,7 @@ def decision_for_engine(decision, engine: str) -> EngineChoice:
                              static_choice=decision.static_choice)
 
 
-def stored_scores(choice, *, db: str | None = None) -> dict[str, float]:
-    """The stored scores of the decision behind a tuned `mla_tune.Choice` ({} when not found).
-
-    Reads the store read-only (the same path `lookup` uses); never raises.
-    """
-    scores = getattr(choice, "scores", None)
-    if scores:
-        return dict(scores)
-    if getattr(choice, "source", "") != "tuned" or not getattr(choice, "key", None):
-        return {}
-    try:
-        from mla_tune.store.readonly import find_decisions
-
-        key = dict(choice.key)
-        fields = {name: value for name, value in key.items() if name != "sku"}
-        # The choice's SKU may be partial (a device given by name only): match by GPU name.
-        device_name = str(key["sku"]).split(" | ")[0]
-        for decision in find_decisions(db, device_name=device_name, key_fields=fields):
-            if decision.winner == choice.backend and decision.decided_at == choice.decided_at:
-                return dict(decision.scores)
-    except Exception:  # noqa: BLE001 - a missing ranking must not break a lookup
-        return {}
-    return {}
-
-
-def choice_for_engine(choice, engine: str, *, db: str | None = None) -> EngineChoice:
+def choice_for_engine(choice, engine: str) -> EngineChoice:
     """What to hand `engine` for a `mla_tune.Choice`: the tuned winner, the best backend the
     engine has by stored score, or, for a fallback answer, vLLM's static choice."""
     engine = _check_engine(engine)
@@ -176,5 +151,5 @@ def choice_for_engine(choice, engine: str, *, db: str | None = None) -> EngineCh
         return EngineChoice(engine, choice.backend if mapped else None, mapped, None, "static",
                             f"nothing tuned; the static choice is {choice.backend}"
                             + ("" if mapped else f", which {_ENGINE_TITLES[engine]} does not have") + ".")
-    return choose_for_engine(winner=choice.backend, scores=stored_scores(choice, db=db), engine=engine,
-                             static_choice=getattr(choice, "static_choice", None))
+    return choose_for_engine(winner=choice.backend, scores=dict(choice.scores), engine=engine,
+                             static_choice=choice.static_choice)

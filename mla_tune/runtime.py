@@ -55,6 +55,7 @@ class Choice:
         runner_up: second-best backend of a tuned decision.
         margin: runner-up score / winner score - 1 (tuned only).
         decided_at: when the tuned decision was made (ISO 8601, UTC).
+        scores: {backend: score} of a tuned decision (1.0 = best at every shape); empty for a fallback.
         warnings: store problems met on the way (already logged once).
     """
 
@@ -67,6 +68,7 @@ class Choice:
     runner_up: str | None = None
     margin: float | None = None
     decided_at: str = ""
+    scores: types.MappingProxyType = field(default_factory=lambda: types.MappingProxyType({}))
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -75,7 +77,7 @@ class Choice:
                 "reasons": {name: list(texts) for name, texts in self.reasons.items()},
                 "why": self.why, "key": dict(self.key), "static_choice": self.static_choice,
                 "runner_up": self.runner_up, "margin": self.margin, "decided_at": self.decided_at,
-                "warnings": list(self.warnings)}
+                "scores": dict(self.scores), "warnings": list(self.warnings)}
 
 
 _MEMO: dict = {}
@@ -349,4 +351,5 @@ def _tuned_choice(decision, key, problem, spec, vllm_choice) -> Choice:
     return Choice(backend=winner, source="tuned", reasons=types.MappingProxyType(reasons), why=why,
                   key=types.MappingProxyType(decision.key.to_dict()),
                   static_choice=decision.static_choice or vllm_choice, runner_up=decision.runner_up,
-                  margin=decision.margin, decided_at=decision.decided_at)
+                  margin=decision.margin, decided_at=decision.decided_at,
+                  scores=types.MappingProxyType(dict(decision.scores)))

@@ -125,7 +125,7 @@ def apply_tuned_backend(engine_args) -> str | None:
         logger.info("mla-tune: nothing tuned for %d heads, kv %s (%s); vLLM chooses",
                     num_heads, kv_cache_dtype, choice.why)
         return None
-    picked = choice_for_engine(choice, "vllm", db=db)
+    picked = choice_for_engine(choice, "vllm")
     if picked.engine_backend is None:
         logger.info("mla-tune: %s", picked.reason)
         return None
