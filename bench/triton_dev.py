@@ -19,13 +19,13 @@ import math
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 
 from mla_tune.backends.inputs import make_inputs
 from mla_tune.backends.problem import Problem, Shape
 from mla_tune.backends.reference import mla_reference
+from mla_tune.tuner.gate import check_output
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
 from mla_tune.backends.triton_mla.launch import launch, params_from_tile, rows_bucket
 
@@ -83,10 +83,6 @@ def measure_machine() -> tuple[float, float]:
     return bw[0], 2 * 8192**3 / (t * 1e-6)
 
 
-def rel_err(out, ref) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
-
-
 class Case:
     """One problem + shape with its input copies and float32 reference."""
 
@@ -96,7 +92,7 @@ class Case:
         set_bytes = base.q.numel() * base.q.element_size() + base.kv_cache.numel() * base.kv_cache.element_size()
         copies = max(2, min(64, math.ceil(COLD_BYTES / set_bytes)))
         self.sets = [base] + [base.with_data(base.q.clone(), base.kv_cache.clone()) for _ in range(copies - 1)]
-        self.ref, _ = mla_reference(base.q, base.kv_cache, base.block_table, base.seq_lens,
+        self.ref, self.ref_lse = mla_reference(base.q, base.kv_cache, base.block_table, base.seq_lens,
                                     sm_scale=base.sm_scale, kv_scale=base.kv_scale,
                                     topk_indices=base.topk_indices)
         lens = base.seq_lens.long()
@@ -121,18 +117,18 @@ class Case:
 
     def free(self):
         self.sets.clear()
-        self.ref = None
+        self.ref = self.ref_lse = None
 
 
 def check_and_time(case: Case, adapter) -> dict:
-    tol = 2e-2 if case.problem.kv_cache_dtype == "fp8_e4m3" else 1e-2
     try:
         prepared = adapter.prepare(case.problem, case.sets[0])
-        out, _ = prepared.run(case.sets[0])
+        out, lse = prepared.run(case.sets[0])
         torch.cuda.synchronize()
-        err = rel_err(out, case.ref)
-        if not err < tol:
-            return {"status": "incorrect", "err": err}
+        verdict = check_output(out, lse, case.ref, case.ref_lse, kv_cache_dtype=case.problem.kv_cache_dtype)
+        err = verdict.rel_error
+        if not verdict.ok:
+            return {"status": "incorrect", "err": err, "reason": verdict.reason}
         info = ""
         if hasattr(prepared, "workspace"):
             s0 = case.sets[0]

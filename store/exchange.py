@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
