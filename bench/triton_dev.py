@@ -169,7 +169,8 @@ def params_for(tile, case):
     """The tile's launch parameters for `case`, splits balanced exactly as the adapter does."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return params_from_tile(tile, rows=case.problem.num_heads, q_len=1, batch=case.shape.batch_size,
-                            max_items=case.max_items, num_sms=sms, lengths=case.lengths)
+                            max_items=case.max_items, num_sms=sms, lengths=case.lengths,
+                            sparse=case.problem.sparse)
 
 
 def sweep(args, bw, mm):
@@ -281,6 +282,24 @@ SPLIT_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 128, 64), (16, 3
                     ("16bit", 64): _S64, ("16bit", 128): _S64, ("fp8", 64): _S64, ("fp8", 128): _S64}
 
 
+# Round 3: FP8 tiles multiplied in fp16 (one cvt per e4m3 pair instead of three), the shipped
+# tile first, then the same tile with fp16 math, then fp16 candidates. Shapes are
+# (heads, batch, kv_len[, topk]); the sparse one checks the same tile on the top-k path.
+FP16_SHAPES = {16: [(16, 64, 4096), (16, 1, 4096), (16, 16, 16384), (16, 128, 1024), (16, 64, 8192, 2048)],
+               32: [(32, 64, 4096), (32, 4, 16384), (32, 16, 1024), (32, 64, 8192, 2048)],
+               64: [(64, 64, 4096), (64, 1, 4096), (64, 4, 16384), (64, 16, 4096), (64, 64, 8192, 2048)],
+               128: [(128, 64, 4096), (128, 1, 16384), (128, 16, 4096), (128, 4, 8192, 2048)]}
+_F16_64 = [(64, 64, 8, 2, True, 1, False, 64, 0, True), (64, 64, 8, 2, True, 1, True, 64, 0, True),
+           (64, 32, 8, 3, True, 1, False, 64, 64, True)]
+FP16_CANDIDATES = {
+    ("fp8", 16): [(16, 32, 4, 2, True, 2, True, 64, 64, True), (16, 32, 8, 2, True, 1, True, 64, 64, True),
+                  (16, 16, 4, 2, True, 2, True, 64, 64, True)],
+    ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 128, 64, True), (32, 32, 8, 2, True, 1, True, 128, 64, True),
+                  (16, 32, 8, 2, True, 1, True, 128, 64, True)],
+    ("fp8", 64): _F16_64, ("fp8", 128): _F16_64,
+}
+
+
 # Round 2, third call: the cost of the fp32 split partials in the split-size model
 # (launch.PARTIAL_ROW_TOKENS), on shapes where it changes the split count.
 PARTIAL_COSTS = (0.0, 0.005, 0.02)
@@ -345,16 +364,16 @@ def hoist_compare(args, bw, mm, candidates=None, shapes=None):
     for (kind, bkt), cands in candidates.items():
         tiles = [TILE_TABLE[(kind, bkt)]] + cands
         times = {t: [] for t in tiles}
-        for heads, batch, kv_len in shapes[bkt]:
+        for heads, batch, kv_len, *topk in shapes[bkt]:
             if time.time() - T0 > args.budget_s:
                 log("# hoist budget reached")
                 return winners
             kv_dtype = "fp8_e4m3" if kind == "fp8" else "bf16"
-            case = Case(Problem(heads, kv_dtype, page_size=64), Shape(batch, kv_len))
+            case = Case(Problem(heads, kv_dtype, page_size=64, topk=topk[0] if topk else None), Shape(batch, kv_len))
             roof = case.roofline_us(bw, mm)
             for i, tile in enumerate(tiles):
                 params = params_for(tile, case)
-                r = check_and_time(case, TritonMLA(params))
+                r = check_and_time(case, (TritonMLASparse if topk else TritonMLA)(params))
                 log("hoist " + fmt_line(case, params.label(), r, roof, ("old " if i == 0 else "new ") + str(tile)))
                 times[tile].append(r["us"] if r["status"] == "ok" else None)
             case.free()
@@ -380,7 +399,7 @@ def apply_tiles(winners, path="backends/triton_mla/launch.py"):
     text = open(path).read()
     for (kind, bkt), tile in winners.items():
         pattern = re.compile(r'^(\s*\("' + kind + r'", ' + str(bkt) + r'\): )\([^)]*\)', re.M)
-        text, n = pattern.subn(lambda m: m.group(1) + repr(tuple(tile)), text)
+        text, n = pattern.subn(lambda m, tile=tile: m.group(1) + repr(tuple(tile)), text)
         assert n == 1, (kind, bkt)
     open(path, "w").write(text)
     log(f"# applied to {path}: {winners}")
@@ -490,7 +509,8 @@ def summarize(summary):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials"])
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
+                                     "fp16"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -521,9 +541,10 @@ def main():
         value = partials_compare(args, bw, mm)
         if args.apply:
             apply_partial_cost(value)
-    if args.mode in ("hoist", "splits"):
+    if args.mode in ("hoist", "splits", "fp16"):
         winners = (hoist_compare(args, bw, mm) if args.mode == "hoist"
-                   else hoist_compare(args, bw, mm, SPLIT_CANDIDATES, SPLIT_SHAPES))
+                   else hoist_compare(args, bw, mm, SPLIT_CANDIDATES, SPLIT_SHAPES) if args.mode == "splits"
+                   else hoist_compare(args, bw, mm, FP16_CANDIDATES, FP16_SHAPES))
         if args.apply:
             apply_tiles(winners)
     if args.mode in ("sweep", "all"):

@@ -29,6 +29,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+Q_FP16_SCALE = tl.constexpr(0.00390625)  # 2^-8, see _load_q
 
 
 @triton.jit
@@ -94,6 +95,21 @@ def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.conste
 
 
 @triton.jit
+def _load_q(ptrs, row_ok, FP16_MATH: tl.constexpr):
+    """Query columns; with FP16_MATH (FP8 KV) scaled by `Q_FP16_SCALE` and rounded to fp16.
+
+    On SM89+ an e4m3 pair converts to fp16 in one instruction but to bf16 in three,
+    so FP8 tiles are multiplied in fp16. The power-of-two scale keeps any query below
+    2^24 finite and converts every bf16 value above 2^-9 exactly; the scale is taken
+    back out of the scores.
+    """
+    q = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    if FP16_MATH:
+        q = (q.to(tl.float32) * Q_FP16_SCALE).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i):
     """Mask, scale and exponentiate one score tile (log2 domain).
 
@@ -133,7 +149,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
-    HOIST_PAGES: tl.constexpr = 0,
+    HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -175,10 +191,12 @@ def _mla_split_kernel(
     if KV_SCALE_IS_PTR:
         kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
     qk_scale = sm_scale_log2 * kv_scale
+    if FP16_MATH:
+        qk_scale = qk_scale / Q_FP16_SCALE
     q_row = q_ptr + b.to(tl.int64) * stride_qb + qi * stride_qt + h * stride_qh
     bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
     offs_r = tl.arange(0, D_ROPE)
-    q_pe = tl.load(q_row[:, None] + D_LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = _load_q(q_row[:, None] + D_LATENT + offs_r[None, :], row_ok, FP16_MATH)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
 
@@ -188,10 +206,10 @@ def _mla_split_kernel(
         # accumulators, and the output accumulates in four [BLOCK_H, 128] blocks.
         DC: tl.constexpr = D_LATENT // 4
         offs_c = tl.arange(0, DC)
-        q0 = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-        q1 = tl.load(q_row[:, None] + DC + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-        q2 = tl.load(q_row[:, None] + 2 * DC + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-        q3 = tl.load(q_row[:, None] + 3 * DC + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q0 = _load_q(q_row[:, None] + offs_c[None, :], row_ok, FP16_MATH)
+        q1 = _load_q(q_row[:, None] + DC + offs_c[None, :], row_ok, FP16_MATH)
+        q2 = _load_q(q_row[:, None] + 2 * DC + offs_c[None, :], row_ok, FP16_MATH)
+        q3 = _load_q(q_row[:, None] + 3 * DC + offs_c[None, :], row_ok, FP16_MATH)
         acc0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
@@ -233,7 +251,7 @@ def _mla_split_kernel(
         tl.store(o_ptrs + 3 * DC, acc3 * inv_l[:, None], mask=o_ok[:, None])
     else:
         offs_c = tl.arange(0, D_LATENT)
-        q_nope = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q_nope = _load_q(q_row[:, None] + offs_c[None, :], row_ok, FP16_MATH)
         acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)

@@ -17,8 +17,8 @@ With one split the kernel writes `out`/`lse` directly and needs no workspace.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,6 +40,7 @@ PARAM_SPACE = {
     "reload_v": (False, True),
     "split_d": (False, True),
     "hoist_pages": (0, 64),
+    "fp16_math": (False, True),
 }
 
 
@@ -76,11 +77,13 @@ class LaunchParams:
     split_items: int = 0
     reload_v: bool = False
     hoist_pages: int = 0
+    fp16_math: bool = False
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
-                f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}x{self.num_splits}")
+                f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
+                f"x{self.num_splits}")
 
 
 def sm_count(device: torch.device) -> int:
@@ -116,7 +119,22 @@ def rows_bucket(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
 
 
-# (KV kind, rows bucket) -> tile (see `params_from_tile`). Chosen from measurements on one
+class Tile(NamedTuple):
+    """One row of `TILE_TABLE`: a `LaunchParams` without the per-shape split count."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_d: bool
+    per_sm: int  # programs of this tile that fit on one SM (for the split model)
+    reload_v: bool
+    min_split_tokens: int
+    hoist_pages: int = 0
+    fp16_math: bool = False
+
+
+# (KV kind, rows bucket) -> tile (a `Tile`'s fields in order). Chosen from measurements on one
 # H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
     ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
@@ -174,26 +192,27 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
 def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_items: int, num_sms: int,
                      sparse: bool = False, lengths: list[int] | None = None,
                      partial_row_tokens: float | None = None) -> LaunchParams:
-    """Launch parameters for one `TILE_TABLE` entry, the splits chosen for this shape.
+    """Launch parameters for one `TILE_TABLE` entry (a `Tile` or its fields), the splits
+    chosen for this shape.
 
-    A tile is `(block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v,
-    min_split_tokens[, hoist_pages])`, `per_sm` being how many programs of it fit on one SM.
     With `lengths` (the per-request lengths, known in `prepare`) splits follow
     `balanced_splits`; without them (no host sync allowed) every request gets
     the same split count over `max_items`, the block table's capacity.
     """
-    block_h, block_n, num_warps, num_stages, split_d, per_sm, reload_v, min_split, *rest = tile
-    hoist = rest[0] if rest and not sparse else 0
+    t = Tile(*tile)
+    block_h, block_n, per_sm, min_split = t.block_h, t.block_n, t.per_sm, t.min_split_tokens
+    fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+                 split_d=t.split_d, reload_v=t.reload_v, hoist_pages=0 if sparse else t.hoist_pages,
+                 fp16_math=t.fp16_math)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
                                               per_sm=per_sm, block_n=block_n, min_split_tokens=min_split,
                                               block_h=block_h, partial_row_tokens=partial_row_tokens)
-        return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, split_items,
-                            reload_v, hoist)
+        return LaunchParams(num_splits=splits, split_items=split_items, **fixed)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=min_split, waves=min(per_sm, 4))
-    return LaunchParams(block_h, block_n, num_warps, num_stages, splits, split_d, 0, reload_v, hoist)
+    return LaunchParams(num_splits=splits, **fixed)
 
 
 # The 64-row tiles need 180-216 KB of shared memory and were tuned for wgmma: only
@@ -297,6 +316,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
         DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
         HOIST_PAGES=0 if sparse else params.hoist_pages,
+        FP16_MATH=params.fp16_math and kv_cast and q.dtype == torch.bfloat16,
         num_warps=params.num_warps, num_stages=params.num_stages,
     )
     if splits > 1:

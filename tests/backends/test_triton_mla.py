@@ -25,7 +25,8 @@ from mla_tune.backends.reference import mla_reference  # noqa: E402
 
 BF16_TOL, FP8_TOL = 1e-2, 2e-2
 
-# name -> (problem kwargs, shape, explicit seq_lens or None, LaunchParams fields or None, kv_scale as tensor)
+# name -> (problem kwargs, shape, explicit seq_lens or None, LaunchParams fields or None, kv_scale as tensor
+#          [, factor applied to q])
 CPU_CASES = {
     "bf16_h3_edge_lengths": (dict(num_heads=3, page_size=16), (5, 17), [1, 15, 16, 17, 0], None, False),
     "bf16_h3_qlen2_splits": (dict(num_heads=3, page_size=16, q_len=2), (3, 70), None, (16, 16, 4, 1, 3), False),
@@ -41,6 +42,13 @@ CPU_CASES = {
                               (16, 16, 4, 3, 1, True, 0, False, 4), False),
     "fp8_h5_hoisted_pages_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=32), (2, 200), None,
                                     (16, 32, 4, 3, 2, True, 0, True, 4), False),
+    # FP8 tiles multiplied in fp16 (q scaled by 2^-8); queries of 3e4 would overflow an unscaled fp16
+    "fp8_h5_fp16_math_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (3, 90),
+                                [1, 17, 90], (16, 32, 4, 2, 2, True, 0, True, 0, True), False),
+    "fp8_h3_fp16_math_large_query": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 40), None,
+                                     (16, 16, 4, 2, 1, True, 0, False, 0, True), False, 3e4),
+    "sparse_fp8_h3_fp16_math": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16, topk=24), (2, 40),
+                                None, (16, 16, 4, 2, 2, True, 0, True, 0, True), False),
     "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
                              False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
@@ -52,10 +60,18 @@ def _rel_err(out, ref) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=None, scale_tensor=False):
+def _lse_err(lse, ref) -> float:
+    """Largest LSE error, absolute up to |lse| = 10 and relative (x 1/10) above (huge logits)."""
+    return float(((lse - ref).abs() / (ref.abs() / 10).clamp_min(1.0)).max())
+
+
+def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=None, scale_tensor=False,
+              q_mult=1.0):
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
 
     inputs = make_inputs(problem, shape, device=device, seed=7)
+    if q_mult != 1.0:
+        inputs.q = inputs.q * q_mult
     if seq_lens is not None:
         inputs.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     kv_scale = inputs.kv_scale
@@ -63,14 +79,15 @@ def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=N
         kv_scale = torch.tensor(kv_scale, dtype=torch.float32, device=device)
     out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                           sm_scale=inputs.sm_scale, kv_scale=kv_scale, topk_indices=inputs.topk_indices,
-                          params=LaunchParams(*params) if params else None)
+                          params=params if isinstance(params, LaunchParams) or params is None
+                          else LaunchParams(*params))
     ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                      sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
                                      topk_indices=inputs.topk_indices)
     seen = torch.isfinite(ref_lse)
     return {
         "rel_err": _rel_err(out[seen], ref_out[seen]) if seen.any() else 0.0,
-        "lse_err": float((lse[seen] - ref_lse[seen]).abs().max()) if seen.any() else 0.0,
+        "lse_err": _lse_err(lse[seen], ref_lse[seen]) if seen.any() else 0.0,
         "nan": bool(out.isnan().any() or lse.isnan().any()),
         "unseen_rows_ok": bool((out[~seen] == 0).all() and (lse[~seen] == -math.inf).all()),
         "out_dtype_ok": out.dtype == inputs.q.dtype and lse.dtype == torch.float32,
@@ -87,7 +104,7 @@ def _adapter_case(problem: Problem, shape: Shape, *, device) -> dict:
     ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                      sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
                                      topk_indices=inputs.topk_indices)
-    return {"rel_err": _rel_err(out, ref_out), "lse_err": float((lse - ref_lse).abs().max()),
+    return {"rel_err": _rel_err(out, ref_out), "lse_err": _lse_err(lse, ref_lse),
             "nan": bool(out.isnan().any()), "unseen_rows_ok": True, "out_dtype_ok": True,
             "num_splits": prepared.params.num_splits}
 
@@ -101,9 +118,9 @@ def _worker() -> None:
     """Subprocess entry: run CPU_CASES under TRITON_INTERPRET=1, print JSON."""
     results = {name: _adapter_case(Problem(**kw), Shape(*shape), device="cpu")
                for name, (kw, shape) in ADAPTER_CASES.items()}
-    for name, (kwargs, shape, lens, params, scale_tensor) in CPU_CASES.items():
+    for name, (kwargs, shape, lens, params, scale_tensor, *q_mult) in CPU_CASES.items():
         results[name] = _run_case(Problem(**kwargs), Shape(*shape), device="cpu", seq_lens=lens,
-                                  params=params, scale_tensor=scale_tensor)
+                                  params=params, scale_tensor=scale_tensor, q_mult=q_mult[0] if q_mult else 1.0)
     print(json.dumps(results))
 
 
@@ -221,6 +238,21 @@ def test_gpu_dense_long(kv_dtype, heads, batch, kv_len):
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, q_len=2 if heads == 20 else 1)
     r = _run_case(problem, Shape(batch, kv_len), device="cuda")
     assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp16_math", [False, True])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_gpu_fp8_large_query_stays_finite(heads, fp16_math):
+    # |q| up to ~1.5e5: past fp16's 65504, so the fp16 path must keep its 2^-8 query scale
+    from mla_tune.backends.triton_mla.launch import TILE_TABLE, Tile, params_from_tile, rows_bucket
+
+    tile = Tile(*TILE_TABLE[("fp8", rows_bucket(heads))])._replace(fp16_math=fp16_math)
+    problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=64)
+    params = params_from_tile(tile, rows=heads, q_len=1, batch=3, max_items=2000,
+                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    r = _run_case(problem, Shape(3, 2000), device="cuda", params=params, q_mult=3e4)
+    assert not r["nan"] and r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
 
 
 @pytest.mark.gpu
