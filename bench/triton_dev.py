@@ -300,6 +300,20 @@ FP16_CANDIDATES = {
 }
 
 
+# Round 3, second call: a register cap (Triton's maxnreg) for 8-warp 16/32-row tiles, so two
+# programs (16 warps) fit on an SM instead of one 4-warp program of 255 registers x 2.
+REGS_SHAPES = {16: [(16, 64, 4096), (16, 1, 4096), (16, 16, 16384), (16, 128, 1024), (16, 16, 8192, 2048)],
+               32: [(32, 64, 4096), (32, 4, 16384), (32, 16, 1024), (32, 16, 8192, 2048)]}
+REGS_CANDIDATES = {
+    ("fp8", 16): [(16, 32, 8, 2, True, 2, True, 64, 64, True, 128), (16, 32, 8, 3, True, 2, True, 64, 64, True, 128)],
+    ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 128, 64, True), (32, 32, 8, 2, True, 2, True, 128, 64, True, 128),
+                  (16, 32, 8, 2, True, 2, True, 128, 64, True, 128)],
+    ("16bit", 16): [(16, 32, 8, 2, True, 2, False, 64, 0, False, 128), (16, 32, 8, 3, True, 2, False, 64, 64, False, 128)],
+    ("16bit", 32): [(16, 32, 8, 2, True, 2, False, 128, 64, False, 128),
+                    (16, 32, 8, 3, True, 2, False, 128, 64, False, 128)],
+}
+
+
 # Round 2, third call: the cost of the fp32 split partials in the split-size model
 # (launch.PARTIAL_ROW_TOKENS), on shapes where it changes the split count.
 PARTIAL_COSTS = (0.0, 0.005, 0.02)
@@ -510,7 +524,7 @@ def summarize(summary):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
-                                     "fp16"])
+                                     "fp16", "regs"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -541,10 +555,10 @@ def main():
         value = partials_compare(args, bw, mm)
         if args.apply:
             apply_partial_cost(value)
-    if args.mode in ("hoist", "splits", "fp16"):
-        winners = (hoist_compare(args, bw, mm) if args.mode == "hoist"
-                   else hoist_compare(args, bw, mm, SPLIT_CANDIDATES, SPLIT_SHAPES) if args.mode == "splits"
-                   else hoist_compare(args, bw, mm, FP16_CANDIDATES, FP16_SHAPES))
+    rounds = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES, SPLIT_SHAPES),
+              "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES)}
+    if args.mode in rounds:
+        winners = hoist_compare(args, bw, mm, *rounds[args.mode])
         if args.apply:
             apply_tiles(winners)
     if args.mode in ("sweep", "all"):

@@ -29,7 +29,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-Q_FP16_SCALE = tl.constexpr(0.00390625)  # 2^-8, see _load_q
+Q_FP16_SCALE = 0.00390625  # 2^-8: the query scale of FP16_MATH, passed as `q_scale` (see _load_q)
 
 
 @triton.jit
@@ -95,17 +95,19 @@ def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.conste
 
 
 @triton.jit
-def _load_q(ptrs, row_ok, FP16_MATH: tl.constexpr):
-    """Query columns; with FP16_MATH (FP8 KV) scaled by `Q_FP16_SCALE` and rounded to fp16.
+def _load_q(ptrs, row_ok, q_scale, FP16_MATH: tl.constexpr):
+    """Query columns; with FP16_MATH (FP8 KV) multiplied by `q_scale` and rounded to fp16.
 
     On SM89+ an e4m3 pair converts to fp16 in one instruction but to bf16 in three,
-    so FP8 tiles are multiplied in fp16. The power-of-two scale keeps any query below
-    2^24 finite and converts every bf16 value above 2^-9 exactly; the scale is taken
-    back out of the scores.
+    so FP8 tiles are multiplied in fp16. With `q_scale` = 2^-8 any query below 2^24
+    stays finite and every bf16 value above 2^-9 converts exactly; the scale is taken
+    back out of the scores. It is a runtime argument on purpose: with a constant
+    power of two, LLVM rounds to fp16 first and scales after, which overflows
+    (measured on the H100: queries of 1e5 gave empty rows).
     """
     q = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     if FP16_MATH:
-        q = (q.to(tl.float32) * Q_FP16_SCALE).to(tl.float16)
+        q = (q.to(tl.float32) * q_scale).to(tl.float16)
     return q
 
 
@@ -136,7 +138,7 @@ def _inv_l(l_i, kv_scale):
 def _mla_split_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
-    sm_scale_log2, kv_scale,
+    sm_scale_log2, kv_scale, q_scale,
     stride_qb, stride_qt, stride_qh,
     stride_kvp, stride_kvt,
     stride_btb,
@@ -192,11 +194,11 @@ def _mla_split_kernel(
         kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
     qk_scale = sm_scale_log2 * kv_scale
     if FP16_MATH:
-        qk_scale = qk_scale / Q_FP16_SCALE
+        qk_scale = qk_scale / q_scale
     q_row = q_ptr + b.to(tl.int64) * stride_qb + qi * stride_qt + h * stride_qh
     bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
     offs_r = tl.arange(0, D_ROPE)
-    q_pe = _load_q(q_row[:, None] + D_LATENT + offs_r[None, :], row_ok, FP16_MATH)
+    q_pe = _load_q(q_row[:, None] + D_LATENT + offs_r[None, :], row_ok, q_scale, FP16_MATH)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
 
@@ -206,10 +208,10 @@ def _mla_split_kernel(
         # accumulators, and the output accumulates in four [BLOCK_H, 128] blocks.
         DC: tl.constexpr = D_LATENT // 4
         offs_c = tl.arange(0, DC)
-        q0 = _load_q(q_row[:, None] + offs_c[None, :], row_ok, FP16_MATH)
-        q1 = _load_q(q_row[:, None] + DC + offs_c[None, :], row_ok, FP16_MATH)
-        q2 = _load_q(q_row[:, None] + 2 * DC + offs_c[None, :], row_ok, FP16_MATH)
-        q3 = _load_q(q_row[:, None] + 3 * DC + offs_c[None, :], row_ok, FP16_MATH)
+        q0 = _load_q(q_row[:, None] + offs_c[None, :], row_ok, q_scale, FP16_MATH)
+        q1 = _load_q(q_row[:, None] + DC + offs_c[None, :], row_ok, q_scale, FP16_MATH)
+        q2 = _load_q(q_row[:, None] + 2 * DC + offs_c[None, :], row_ok, q_scale, FP16_MATH)
+        q3 = _load_q(q_row[:, None] + 3 * DC + offs_c[None, :], row_ok, q_scale, FP16_MATH)
         acc0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
@@ -251,7 +253,7 @@ def _mla_split_kernel(
         tl.store(o_ptrs + 3 * DC, acc3 * inv_l[:, None], mask=o_ok[:, None])
     else:
         offs_c = tl.arange(0, D_LATENT)
-        q_nope = _load_q(q_row[:, None] + offs_c[None, :], row_ok, FP16_MATH)
+        q_nope = _load_q(q_row[:, None] + offs_c[None, :], row_ok, q_scale, FP16_MATH)
         acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from mla_tune.backends.triton_mla.kernel import LOG2E, _mla_combine_kernel, _mla_split_kernel
+from mla_tune.backends.triton_mla.kernel import LOG2E, Q_FP16_SCALE, _mla_combine_kernel, _mla_split_kernel
 
 D_LATENT = 512
 D_ROPE = 64
@@ -41,6 +41,7 @@ PARAM_SPACE = {
     "split_d": (False, True),
     "hoist_pages": (0, 64),
     "fp16_math": (False, True),
+    "max_regs": (0, 128, 168),
 }
 
 
@@ -78,11 +79,13 @@ class LaunchParams:
     reload_v: bool = False
     hoist_pages: int = 0
     fp16_math: bool = False
+    max_regs: int = 0
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
+                f"{f'R{self.max_regs}' if self.max_regs else ''}"
                 f"x{self.num_splits}")
 
 
@@ -132,6 +135,7 @@ class Tile(NamedTuple):
     min_split_tokens: int
     hoist_pages: int = 0
     fp16_math: bool = False
+    max_regs: int = 0
 
 
 # (KV kind, rows bucket) -> tile (a `Tile`'s fields in order). Chosen from measurements on one
@@ -141,10 +145,10 @@ TILE_TABLE = {
     ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128, 64),   # two 16-row blocks share the tile via L2
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
     ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64),
-    ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 64),
+    ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 64, True),
     ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128, 64),
-    ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64),
-    ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64),
+    ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64, 0, True),
+    ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
 
 
@@ -203,7 +207,7 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     block_h, block_n, per_sm, min_split = t.block_h, t.block_n, t.per_sm, t.min_split_tokens
     fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
                  split_d=t.split_d, reload_v=t.reload_v, hoist_pages=0 if sparse else t.hoist_pages,
-                 fp16_math=t.fp16_math)
+                 fp16_math=t.fp16_math, max_regs=t.max_regs)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
@@ -300,11 +304,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
         l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
 
+    fp16_math = params.fp16_math and kv_cast and q.dtype == torch.bfloat16
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
     compiled = _mla_split_kernel[(m_blocks, batch, splits)](
         q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
         o_dst, l_dst,
-        sm_scale * LOG2E, scale_value,
+        sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -316,8 +321,9 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
         DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
         HOIST_PAGES=0 if sparse else params.hoist_pages,
-        FP16_MATH=params.fp16_math and kv_cast and q.dtype == torch.bfloat16,
+        FP16_MATH=fp16_math,
         num_warps=params.num_warps, num_stages=params.num_stages,
+        **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),
     )
     if splits > 1:
         o_part, lse_part = workspace.o_part, workspace.lse_part
