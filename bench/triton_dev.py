@@ -314,6 +314,17 @@ REGS_CANDIDATES = {
 }
 
 
+# Round 3, third call: the score matmul split between the warpgroups of the 64-row tiles
+# (split_scores: p and alpha exchanged through a global scratch, see kernel._exchange).
+SCORES_SHAPES = {64: [(64, 64, 4096), (64, 1, 4096), (64, 4, 16384), (64, 16, 4096), (64, 128, 1024),
+                      (64, 64, 8192, 2048)],
+                 128: [(128, 64, 4096), (128, 1, 16384), (128, 16, 4096), (128, 128, 1024), (128, 4, 8192, 2048)]}
+_S16 = [(64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True), (64, 32, 8, 2, True, 1, False, 64, 0, False, 0, True),
+        (64, 32, 8, 3, True, 1, False, 64, 64, False, 0, True)]
+_S8 = [(64, 64, 8, 2, True, 1, False, 64, 0, True, 0, True), (64, 32, 8, 2, True, 1, False, 64, 0, True, 0, True)]
+SCORES_CANDIDATES = {("16bit", 64): _S16, ("16bit", 128): _S16, ("fp8", 64): _S8, ("fp8", 128): _S8}
+
+
 # Round 2, third call: the cost of the fp32 split partials in the split-size model
 # (launch.PARTIAL_ROW_TOKENS), on shapes where it changes the split count.
 PARTIAL_COSTS = (0.0, 0.005, 0.02)
@@ -524,7 +535,7 @@ def summarize(summary):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
-                                     "fp16", "regs"])
+                                     "fp16", "regs", "scores"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -556,7 +567,8 @@ def main():
         if args.apply:
             apply_partial_cost(value)
     rounds = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES, SPLIT_SHAPES),
-              "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES)}
+              "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES),
+              "scores": (SCORES_CANDIDATES, SCORES_SHAPES)}
     if args.mode in rounds:
         winners = hoist_compare(args, bw, mm, *rounds[args.mode])
         if args.apply:

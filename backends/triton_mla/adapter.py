@@ -21,10 +21,8 @@ class PreparedTritonMLA:
         self.params = params
         self.out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
         self.lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
-        self.workspace = None
-        if params.num_splits > 1:
-            self.workspace = Workspace.allocate(batch=batch, num_splits=params.num_splits,
-                                                q_len=q_len, num_heads=num_heads, device=q.device)
+        self.workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads,
+                                              sparse=problem.sparse, device=q.device)
 
     def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         launch(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, self.out, self.lse,

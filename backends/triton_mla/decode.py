@@ -85,10 +85,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                 cc_major=cc_major(q.device))
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
-    workspace = None
-    if params.num_splits > 1:
-        workspace = Workspace.allocate(batch=batch, num_splits=params.num_splits, q_len=q_len,
-                                       num_heads=num_heads, device=q.device)
+    workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,
+                                     device=q.device)
     launch(q, kv_cache, block_table, seq_lens, out, lse, sm_scale=sm_scale, kv_scale=kv_scale,
            topk_indices=topk_indices, params=params, workspace=workspace)
     if squeeze:

@@ -29,6 +29,12 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+@triton.constexpr_function
+def scratch_per_program(block_h, block_n):
+    """2-byte elements of one program's SPLIT_SCORES scratch: two slots of p, two of alpha (fp32)."""
+    return 2 * block_h * (block_n + 2)
+
+
 Q_FP16_SCALE = 0.00390625  # 2^-8: the query scale of FP16_MATH, passed as `q_scale` (see _load_q)
 
 
@@ -112,6 +118,31 @@ def _load_q(ptrs, row_ok, q_scale, FP16_MATH: tl.constexpr):
 
 
 @triton.jit
+def _exchange(p, alpha, p_slot, a_slot, parity, INTERPRETED: tl.constexpr):
+    """`p` and `alpha` through global memory and back (SPLIT_SCORES).
+
+    Triton 3.6 gives a score matmul whose result reaches another matmul both
+    warpgroups' worth of rows (each computes all 64 x BLOCK_N scores); with the
+    probabilities and the rescale factor re-read from memory nothing links the
+    two matmuls, and the score matmul is split between the warpgroups (half the
+    tokens each). A program alternates between two slots, so one barrier per tile
+    suffices: a slot is rewritten only after every thread passed the next tile's
+    barrier, i.e. after its reads. The barrier is inline `bar.sync` because
+    `tl.debug_barrier` in the loop stops Triton pipelining the KV loads; the
+    reloads use its result, so they cannot be hoisted above it.
+    """
+    tl.store(p_slot, p)
+    tl.store(a_slot, alpha)
+    if INTERPRETED:  # programs run one at a time: nothing to synchronise
+        zero = 0
+    else:
+        sync = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [parity + tl.zeros([1], tl.int32)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+        zero = tl.sum(sync, 0)
+    return tl.load(p_slot + zero), tl.load(a_slot + zero)
+
+
+@triton.jit
 def _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i):
     """Mask, scale and exponentiate one score tile (log2 domain).
 
@@ -152,6 +183,7 @@ def _mla_split_kernel(
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
+    p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -216,6 +248,13 @@ def _mla_split_kernel(
         acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
+        if SPLIT_SCORES:  # this program's two exchange slots (see _exchange)
+            prog = (b * tl.num_programs(2) + split) * tl.num_programs(0) + pid_m
+            p_base = p_scratch_ptr + prog.to(tl.int64) * scratch_per_program(BLOCK_H, BLOCK_N)
+            p_slots = (p_base.to(tl.pointer_type(q0.dtype), bitcast=True)
+                       + rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+            a_slots = (p_base + 2 * BLOCK_H * BLOCK_N).to(tl.pointer_type(tl.float32), bitcast=True) + rows
+            parity = 0
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)
             pages, first_page = _chunk_pages(bt_row, c0, c_end, PAGE_SIZE, HOIST_PAGES)
@@ -228,13 +267,24 @@ def _mla_split_kernel(
                 k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
                 k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
                 k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
-                qk = _dot(q_pe, tl.trans(k_pe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
-                qk = _dot(q0, tl.trans(k0), qk, DOT_UPCAST)
-                qk = _dot(q1, tl.trans(k1), qk, DOT_UPCAST)
-                qk = _dot(q2, tl.trans(k2), qk, DOT_UPCAST)
-                qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
+                if SPLIT_SCORES:  # five independent dots, so that no dot feeds another
+                    # (a zero Triton cannot prove zero, or it fuses the sum back into a dot chain)
+                    zero = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32) + (n0 * 0.0)
+                    qk = (_dot(q_pe, tl.trans(k_pe), zero, DOT_UPCAST) + _dot(q0, tl.trans(k0), zero, DOT_UPCAST)
+                          + _dot(q1, tl.trans(k1), zero, DOT_UPCAST) + _dot(q2, tl.trans(k2), zero, DOT_UPCAST)
+                          + _dot(q3, tl.trans(k3), zero, DOT_UPCAST))
+                else:
+                    qk = _dot(q_pe, tl.trans(k_pe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+                    qk = _dot(q0, tl.trans(k0), qk, DOT_UPCAST)
+                    qk = _dot(q1, tl.trans(k1), qk, DOT_UPCAST)
+                    qk = _dot(q2, tl.trans(k2), qk, DOT_UPCAST)
+                    qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
                 m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
                 p = p.to(q0.dtype)
+                if SPLIT_SCORES:
+                    p, alpha = _exchange(p, alpha, p_slots + parity * (BLOCK_H * BLOCK_N),
+                                         a_slots + parity * BLOCK_H, parity, DOT_UPCAST)
+                    parity = 1 - parity
                 if RELOAD_V:  # see the unsplit loop below
                     k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST, True)
                     k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)

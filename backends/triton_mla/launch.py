@@ -4,7 +4,7 @@ The tunable space is small and declared as data (`PARAM_SPACE`); the tuner
 may try any point of it per device, and `default_params` picks one from the
 problem and the GPU's multiprocessor count alone.
 
-Workspace bound (allocated once by `Workspace.allocate`, never per call): the
+Workspace bound (allocated once by `Workspace.for_launch`, never per call): the
 split partials need `batch x num_splits x rows x 512` float32 values plus
 `batch x num_splits x rows` LSEs, where `rows = q_len x heads`. The heuristic
 keeps `num_splits <= max(1, floor(waves x SMs / (batch x m_blocks)))` with
@@ -12,7 +12,11 @@ keeps `num_splits <= max(1, floor(waves x SMs / (batch x m_blocks)))` with
 `batch x num_splits <= batch + 4 x SMs` and the partials never
 exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 128 heads,
 q_len 2, 132 SMs and batch 1; twice the fp32 output size plus that at large batches).
-With one split the kernel writes `out`/`lse` directly and needs no workspace.
+With one split the kernel writes `out`/`lse` directly and needs no partials.
+With `split_scores` every program also owns `2 x block_h x (block_n + 2)` 2-byte
+scratch elements (16.5 KiB for a 64 x 64 tile; programs = `m_blocks x batch x
+num_splits`, so at most `(batch + 4 x SMs) x m_blocks x 16.5 KiB`, about 22 MB
+at 128 heads and batch 128).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from mla_tune.backends.triton_mla.kernel import LOG2E, Q_FP16_SCALE, _mla_combine_kernel, _mla_split_kernel
+from mla_tune.backends.triton_mla.kernel import (
+    LOG2E, Q_FP16_SCALE, _mla_combine_kernel, _mla_split_kernel, scratch_per_program)
 
 D_LATENT = 512
 D_ROPE = 64
@@ -42,6 +47,7 @@ PARAM_SPACE = {
     "hoist_pages": (0, 64),
     "fp16_math": (False, True),
     "max_regs": (0, 128, 168),
+    "split_scores": (False, True),
 }
 
 
@@ -80,12 +86,17 @@ class LaunchParams:
     hoist_pages: int = 0
     fp16_math: bool = False
     max_regs: int = 0
+    split_scores: bool = False
+
+    def __post_init__(self):
+        if self.split_scores and not self.split_d:
+            raise ValueError("split_scores needs split_d")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
-                f"{f'R{self.max_regs}' if self.max_regs else ''}"
+                f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
                 f"x{self.num_splits}")
 
 
@@ -136,6 +147,7 @@ class Tile(NamedTuple):
     hoist_pages: int = 0
     fp16_math: bool = False
     max_regs: int = 0
+    split_scores: bool = False
 
 
 # (KV kind, rows bucket) -> tile (a `Tile`'s fields in order). Chosen from measurements on one
@@ -207,7 +219,7 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     block_h, block_n, per_sm, min_split = t.block_h, t.block_n, t.per_sm, t.min_split_tokens
     fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
                  split_d=t.split_d, reload_v=t.reload_v, hoist_pages=0 if sparse else t.hoist_pages,
-                 fp16_math=t.fp16_math, max_regs=t.max_regs)
+                 fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
@@ -251,17 +263,29 @@ def m_blocks_of(params: LaunchParams, *, num_heads: int, q_len: int, sparse: boo
 
 @dataclass
 class Workspace:
-    """Split partials: `o_part` fp32 `[batch, splits, q_len, heads, 512]`, `lse_part` fp32 `[..., heads]`."""
+    """Split partials: `o_part` fp32 `[batch, splits, q_len, heads, 512]`, `lse_part` fp32 `[..., heads]`
+    (None with one split); `p_scratch`: the SPLIT_SCORES exchange slots (None without it)."""
 
-    o_part: torch.Tensor
-    lse_part: torch.Tensor
+    o_part: torch.Tensor | None
+    lse_part: torch.Tensor | None
+    p_scratch: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, *, batch: int, num_splits: int, q_len: int, num_heads: int,
-                 device: torch.device) -> Workspace:
-        shape = (batch, num_splits, q_len, num_heads)
-        return cls(torch.empty(*shape, D_LATENT, dtype=torch.float32, device=device),
-                   torch.empty(*shape, dtype=torch.float32, device=device))
+    def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
+                   device: torch.device) -> Workspace | None:
+        """What a launch with `params` needs, allocated now (None if nothing)."""
+        o_part = lse_part = p_scratch = None
+        if params.num_splits > 1:
+            shape = (batch, params.num_splits, q_len, num_heads)
+            o_part = torch.empty(*shape, D_LATENT, dtype=torch.float32, device=device)
+            lse_part = torch.empty(*shape, dtype=torch.float32, device=device)
+        if params.split_scores:
+            programs = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse) * batch * params.num_splits
+            p_scratch = torch.empty(programs * scratch_per_program(params.block_h, params.block_n),
+                                    dtype=torch.int16, device=device)
+        if o_part is None and p_scratch is None:
+            return None
+        return cls(o_part, lse_part, p_scratch)
 
 
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -322,6 +346,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
         HOIST_PAGES=0 if sparse else params.hoist_pages,
         FP16_MATH=fp16_math,
+        p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
         num_warps=params.num_warps, num_stages=params.num_stages,
         **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),
     )

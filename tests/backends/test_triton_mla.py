@@ -49,6 +49,13 @@ CPU_CASES = {
                                      (16, 16, 4, 2, 1, True, 0, False, 0, True), False, 3e4),
     "sparse_fp8_h3_fp16_math": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16, topk=24), (2, 40),
                                 None, (16, 16, 4, 2, 2, True, 0, True, 0, True), False),
+    # scores split between warpgroups, p and alpha exchanged through the scratch (ragged, several splits)
+    "bf16_h20_split_scores": (dict(num_heads=20, page_size=16), (4, 150), [1, 17, 150, 0],
+                              (32, 16, 4, 2, 3, True, 0, False, 0, False, 0, True), False),
+    "fp8_h5_split_scores_fp16_hoisted": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 90),
+                                         None, (16, 16, 4, 3, 2, True, 0, False, 4, True, 0, True), False),
+    "sparse_bf16_h3_split_scores": (dict(num_heads=3, page_size=16, topk=40, q_len=2), (2, 60), None,
+                                    (16, 16, 4, 2, 2, True, 0, False, 0, False, 0, True), False),
     "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
                              False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
@@ -238,6 +245,25 @@ def test_gpu_dense_long(kv_dtype, heads, batch, kv_len):
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, q_len=2 if heads == 20 else 1)
     r = _run_case(problem, Shape(batch, kv_len), device="cuda")
     assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("heads,page_size", [(3, 16), (64, 64), (128, 16)])
+def test_gpu_split_scores_edge_lengths(kv_dtype, q_len, heads, page_size):
+    # the 64-row tile with its score matmul split between warpgroups (p exchanged via scratch)
+    from mla_tune.backends.triton_mla.launch import TILE_TABLE, Tile, params_from_tile
+
+    kind = "fp8" if kv_dtype == "fp8_e4m3" else "16bit"
+    tile = Tile(*TILE_TABLE[(kind, 64)])._replace(split_scores=True)
+    lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
+    params = params_from_tile(tile, rows=heads * q_len, q_len=q_len, batch=len(lens), max_items=5000,
+                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count, lengths=lens)
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, q_len=q_len)
+    r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
+    assert not r["nan"] and r["unseen_rows_ok"]
+    assert r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL) and r["lse_err"] < 1e-2, r
 
 
 @pytest.mark.gpu
