@@ -150,13 +150,15 @@ class Tile(NamedTuple):
     split_scores: bool = False
 
 
-# (KV kind, rows bucket) -> tile (a `Tile`'s fields in order). Chosen from measurements on one
+# (KV kind, rows bucket) -> tile, a `Tile`'s fields in order: block_h, block_n, num_warps,
+# num_stages, split_d, per_sm, reload_v, min_split_tokens[, hoist_pages, fp16_math, max_regs,
+# split_scores]. Chosen from measurements on one
 # H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
     ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
     ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128, 64),   # two 16-row blocks share the tile via L2
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
-    ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64),
+    ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
     ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 64, True),
     ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128, 64),
     ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64, 0, True),
