@@ -324,6 +324,24 @@ _S16 = [(64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True), (64, 32, 8, 2, Tr
 _S8 = [(64, 64, 8, 2, True, 1, False, 64, 0, True, 0, True), (64, 32, 8, 2, True, 1, False, 64, 0, True, 0, True)]
 SCORES_CANDIDATES = {("16bit", 64): _S16, ("16bit", 128): _S16, ("fp8", 64): _S8, ("fp8", 128): _S8}
 
+# Round 4: sparse tiles look their rows up a chunk of top-k slots at a time (`hoist_pages` for
+# sparse), against SPARSE_TILE_TABLE; the shapes of the official sparse benchmark (top-k 2048,
+# kv 32768) where Triton lost in round 3 (batch >= 16) plus batch 4.
+SPARSE_SHAPES = {h: [(h, b, 32768, 2048) for b in (4, 16, 128)] + ([(h, 64, 32768, 2048)] if h == 64 else [])
+                 for h in (16, 32, 64, 128)}
+SPARSE_CANDIDATES = {
+    ("16bit", 16): [(16, 32, 4, 2, True, 3, False, 64, 64), (16, 32, 4, 3, True, 2, False, 64, 64),
+                    (16, 32, 4, 2, True, 3, False, 64, 128)],
+    ("16bit", 32): [(16, 32, 4, 3, True, 2, False, 128, 64), (16, 32, 4, 2, True, 3, False, 128, 64)],
+    ("16bit", 64): [(64, 64, 8, 2, True, 1, False, 64, 64), (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
+                    (64, 64, 8, 2, True, 1, False, 64, 64, False, 0, True)],
+    ("16bit", 128): [(64, 64, 8, 2, True, 1, False, 64, 64, False, 0, True), (64, 64, 8, 2, True, 1, False, 64, 64)],
+    ("fp8", 16): [(16, 32, 4, 2, True, 2, True, 64, 64, True)],
+    ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 128, 64)],
+    ("fp8", 64): [(64, 64, 8, 2, True, 1, False, 64, 64, True)],
+    ("fp8", 128): [(64, 64, 8, 2, True, 1, False, 64, 64, True)],
+}
+
 
 # Round 2, third call: the cost of the fp32 split partials in the split-size model
 # (launch.PARTIAL_ROW_TOKENS), on shapes where it changes the split count.
@@ -377,17 +395,18 @@ def apply_partial_cost(value, path="backends/triton_mla/launch.py"):
     log(f"# applied PARTIAL_ROW_TOKENS = {value!r} to {path}")
 
 
-def hoist_compare(args, bw, mm, candidates=None, shapes=None):
-    """Shipped tile vs hoisted-page candidates per bucket; returns {(kind, bucket): winner tile}.
+def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
+    """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
 
     A candidate replaces the shipped tile when its geometric-mean time ratio over the
     bucket's shapes is below 0.97 and no shape of the bucket gets more than 10% slower.
     """
-    from mla_tune.backends.triton_mla.launch import TILE_TABLE
+    from mla_tune.backends.triton_mla import launch as launch_module
+    shipped = getattr(launch_module, table)
     candidates, shapes = candidates or HOIST_CANDIDATES, shapes or HOIST_SHAPES
     winners = {}
     for (kind, bkt), cands in candidates.items():
-        tiles = [TILE_TABLE[(kind, bkt)]] + cands
+        tiles = [shipped[(kind, bkt)]] + cands
         times = {t: [] for t in tiles}
         for heads, batch, kv_len, *topk in shapes[bkt]:
             if time.time() - T0 > args.budget_s:
@@ -418,15 +437,17 @@ def hoist_compare(args, bw, mm, candidates=None, shapes=None):
     return winners
 
 
-def apply_tiles(winners, path="backends/triton_mla/launch.py"):
-    """Rewrite TILE_TABLE entries of launch.py in place with the winners (the device copy)."""
+def apply_tiles(winners, path="backends/triton_mla/launch.py", table="TILE_TABLE"):
+    """Rewrite `table`'s entries in launch.py in place with the winners (the device copy)."""
     import re
     text = open(path).read()
+    head, _, rest = text.partition("\n" + table + " = {")
+    body, end, tail = rest.partition("\n}")
     for (kind, bkt), tile in winners.items():
         pattern = re.compile(r'^(\s*\("' + kind + r'", ' + str(bkt) + r'\): )\([^)]*\)', re.M)
-        text, n = pattern.subn(lambda m, tile=tile: m.group(1) + repr(tuple(tile)), text)
+        body, n = pattern.subn(lambda m, tile=tile: m.group(1) + repr(tuple(tile)), body)
         assert n == 1, (kind, bkt)
-    open(path, "w").write(text)
+    open(path, "w").write(head + "\n" + table + " = {" + body + end + tail)
     log(f"# applied to {path}: {winners}")
 
 
@@ -535,7 +556,7 @@ def summarize(summary):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
-                                     "fp16", "regs", "scores"])
+                                     "fp16", "regs", "scores", "sparse_hoist"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -568,11 +589,12 @@ def main():
             apply_partial_cost(value)
     rounds = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES, SPLIT_SHAPES),
               "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES),
-              "scores": (SCORES_CANDIDATES, SCORES_SHAPES)}
+              "scores": (SCORES_CANDIDATES, SCORES_SHAPES),
+              "sparse_hoist": (SPARSE_CANDIDATES, SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
     if args.mode in rounds:
         winners = hoist_compare(args, bw, mm, *rounds[args.mode])
         if args.apply:
-            apply_tiles(winners)
+            apply_tiles(winners, table=(rounds[args.mode] + ("TILE_TABLE",))[2])
     if args.mode in ("sweep", "all"):
         table = sweep(args, bw, mm)
     if args.mode in ("grid", "all"):

@@ -48,42 +48,63 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, pages, first_page,
+def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, entries, row_offs, first,
              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr,
              HOIST_PAGES: tl.constexpr):
     """Token positions `[BLOCK_N]`, their validity, and row pointers into the paged cache.
 
-    With HOIST_PAGES the page numbers come from `pages` (block-table entries
-    `first_page ...` already in registers), so the tile's address depends on no
-    load inside the loop and Triton's pipeliner can keep a tile in flight.
+    With HOIST_PAGES the tile looks its rows up in what `_chunk_table` loaded into
+    registers for the chunk, so the tile's address depends on no load inside the
+    loop and Triton's pipeliner can keep a tile in flight.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     in_range = offs_n < end
-    if SPARSE:
-        pos = tl.load(topk_row + offs_n, mask=in_range, other=-1)
-        tok_ok = in_range & (pos >= 0) & (pos < seq_len)
+    if SPARSE and HOIST_PAGES > 0:
+        j = tl.where(in_range, offs_n - first, 0)
+        pos = tl.gather(entries, j, 0)
+        tok_ok = in_range & (pos >= 0)
+        kv_row = kv_ptr + tl.gather(row_offs, j, 0)
     else:
-        pos = offs_n
-        tok_ok = in_range
-    if HOIST_PAGES > 0:
-        page = tl.gather(pages, tl.where(tok_ok, pos // PAGE_SIZE - first_page, 0), 0)
-    else:
-        page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
-    kv_row = kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
+        if SPARSE:
+            pos = tl.load(topk_row + offs_n, mask=in_range, other=-1)
+            tok_ok = in_range & (pos >= 0) & (pos < seq_len)
+        else:
+            pos = offs_n
+            tok_ok = in_range
+        if HOIST_PAGES > 0:
+            page = tl.gather(entries, tl.where(tok_ok, pos // PAGE_SIZE - first, 0), 0)
+        else:
+            page = tl.load(bt_row + pos // PAGE_SIZE, mask=tok_ok, other=0)
+        kv_row = kv_ptr + page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
     return pos, tok_ok, kv_row
 
 
 @triton.jit
-def _chunk_pages(bt_row, c0, c_end, PAGE_SIZE: tl.constexpr, HOIST_PAGES: tl.constexpr):
-    """Block-table entries of tokens `c0 .. c_end - 1` as a register vector `[HOIST_PAGES]`
-    and the first one's index (unused placeholders without HOIST_PAGES)."""
-    first_page = c0 // PAGE_SIZE
+def _chunk_table(bt_row, topk_row, seq_len, c0, c_end, stride_kvp, stride_kvt,
+                 PAGE_SIZE: tl.constexpr, HOIST_PAGES: tl.constexpr, SPARSE: tl.constexpr):
+    """What the tiles of items `c0 .. c_end - 1` look their rows up in, loaded once into
+    registers as `(entries, row_offs, first)` (placeholders without HOIST_PAGES).
+
+    Dense: `entries` = the chunk's `HOIST_PAGES` block-table entries from page `first`.
+    Sparse: `entries` = the top-k positions of slots `first = c0 ...` (-1 where unused or
+    out of range) and `row_offs` = their rows' element offsets in the cache, so a tile
+    gathers both instead of two dependent loads (top-k slot, then block table).
+    """
     offs_p = tl.arange(0, max(HOIST_PAGES, 1))
+    entries = offs_p
+    row_offs = offs_p.to(tl.int64)
+    first = c0
     if HOIST_PAGES > 0:
-        pages = tl.load(bt_row + first_page + offs_p, mask=(first_page + offs_p) * PAGE_SIZE < c_end, other=0)
-    else:
-        pages = offs_p
-    return pages, first_page
+        if SPARSE:
+            pos = tl.load(topk_row + c0 + offs_p, mask=c0 + offs_p < c_end, other=-1)
+            ok = (pos >= 0) & (pos < seq_len)
+            page = tl.load(bt_row + pos // PAGE_SIZE, mask=ok, other=0)
+            row_offs = tl.where(ok, page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt, 0)
+            entries = tl.where(ok, pos, -1)
+        else:
+            first = c0 // PAGE_SIZE
+            entries = tl.load(bt_row + first + offs_p, mask=(first + offs_p) * PAGE_SIZE < c_end, other=0)
+    return entries, row_offs, first
 
 
 @triton.jit
@@ -215,9 +236,12 @@ def _mla_split_kernel(
     start = split * split_items
     end = tl.minimum(start + split_items, n_items)
     o_ok = row_ok & ((start < n_items) | (split == 0))
-    # Dense with HOIST_PAGES: the range is walked in chunks whose block-table entries are
-    # loaded once into registers (a chunk spans at most HOIST_PAGES pages); otherwise in one.
-    if HOIST_PAGES > 0:
+    # With HOIST_PAGES the range is walked in chunks whose lookups are loaded once into
+    # registers (dense: a chunk spans at most HOIST_PAGES pages; sparse: HOIST_PAGES top-k
+    # slots); otherwise in one.
+    if HOIST_PAGES > 0 and SPARSE:
+        CHUNK: tl.constexpr = HOIST_PAGES
+    elif HOIST_PAGES > 0:
         CHUNK: tl.constexpr = (HOIST_PAGES - 1) * PAGE_SIZE // BLOCK_N * BLOCK_N
     else:
         CHUNK = split_items
@@ -257,11 +281,12 @@ def _mla_split_kernel(
             parity = 0
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)
-            pages, first_page = _chunk_pages(bt_row, c0, c_end, PAGE_SIZE, HOIST_PAGES)
+            entries, row_offs, first = _chunk_table(bt_row, topk_row, seq_len, c0, c_end, stride_kvp,
+                                                    stride_kvt, PAGE_SIZE, HOIST_PAGES, SPARSE)
             for n0 in range(c0, c_end, BLOCK_N):
                 pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                               stride_kvt, pages, first_page, BLOCK_N, PAGE_SIZE, SPARSE,
-                                               HOIST_PAGES)
+                                               stride_kvt, entries, row_offs, first, BLOCK_N, PAGE_SIZE,
+                                               SPARSE, HOIST_PAGES)
                 k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST)
                 k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
                 k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
@@ -307,11 +332,12 @@ def _mla_split_kernel(
         acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)
-            pages, first_page = _chunk_pages(bt_row, c0, c_end, PAGE_SIZE, HOIST_PAGES)
+            entries, row_offs, first = _chunk_table(bt_row, topk_row, seq_len, c0, c_end, stride_kvp,
+                                                    stride_kvt, PAGE_SIZE, HOIST_PAGES, SPARSE)
             for n0 in range(c0, c_end, BLOCK_N):
                 pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                               stride_kvt, pages, first_page, BLOCK_N, PAGE_SIZE, SPARSE,
-                                               HOIST_PAGES)
+                                               stride_kvt, entries, row_offs, first, BLOCK_N, PAGE_SIZE,
+                                               SPARSE, HOIST_PAGES)
                 k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST)
                 k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q_nope.dtype, KV_CAST)
                 qk = _dot(q_nope, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)

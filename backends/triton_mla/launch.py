@@ -69,9 +69,10 @@ class LaunchParams:
         split_items: KV tokens (dense) or top-k slots (sparse) per split, a multiple of
             block_n; `num_splits x split_items` must cover the longest request. 0 derives it
             from the block-table capacity (dense) or top-k (sparse) at launch.
-        hoist_pages: dense only; 0, or how many block-table entries a program loads into
-            registers at a time (a power of 2). Then no KV address depends on a load inside
-            the tile loop, and with num_stages >= 3 Triton keeps a tile in flight during the
+        hoist_pages: 0, or how many lookups a program loads into registers at a time (a
+            power of 2): dense, block-table entries; sparse, top-k slots with their
+            block-table entries (a multiple of block_n). Then no KV address depends on a
+            load inside the tile loop, and Triton can keep a tile in flight during the
             compute of the previous one (without it the tile loads are not overlapped).
     """
 
@@ -165,6 +166,18 @@ TILE_TABLE = {
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
 
+# The same for sparse (top-k) decode, where a program's rows are the heads of one query
+# token and every tile gathers its rows through the top-k list and the block table.
+SPARSE_TILE_TABLE = {
+    ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
+    ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128),
+    ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
+    ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
+    ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 0, True),
+    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128),
+    ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64, 0, True),
+    ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
+}
 
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
@@ -220,7 +233,7 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     t = Tile(*tile)
     block_h, block_n, per_sm, min_split = t.block_h, t.block_n, t.per_sm, t.min_split_tokens
     fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-                 split_d=t.split_d, reload_v=t.reload_v, hoist_pages=0 if sparse else t.hoist_pages,
+                 split_d=t.split_d, reload_v=t.reload_v, hoist_pages=t.hoist_pages,
                  fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
@@ -253,7 +266,7 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
     kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
         bucket = 16
-    tile = TILE_TABLE[(kind, bucket)]
+    tile = (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
     return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=num_sms, sparse=sparse, lengths=lengths)
 
@@ -316,6 +329,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     topk = topk_indices.shape[2] if sparse else 0
     tk_strides = (topk_indices.stride(0), topk_indices.stride(1)) if sparse else (0, 0)
 
+    if sparse and params.hoist_pages % params.block_n:
+        raise ValueError(f"sparse hoist_pages {params.hoist_pages} is not a multiple of block_n {params.block_n}")
     splits = params.num_splits
     split_items = params.split_items
     if split_items <= 0:
@@ -346,7 +361,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         BLOCK_H=params.block_h, BLOCK_N=params.block_n,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
         DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
-        HOIST_PAGES=0 if sparse else params.hoist_pages,
+        HOIST_PAGES=params.hoist_pages,
         FP16_MATH=fp16_math,
         p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
         num_warps=params.num_warps, num_stages=params.num_stages,

@@ -60,6 +60,11 @@ CPU_CASES = {
                              False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
                             (16, 16, 4, 2, 1, True, 0, True), False),
+    # sparse rows looked up a chunk of top-k slots at a time (ragged chunks, -1 slots, several splits)
+    "sparse_bf16_h3_hoisted_topk": (dict(num_heads=3, page_size=16, topk=40, q_len=2), (3, 60), [60, 17, 33],
+                                    (16, 16, 4, 2, 2, True, 0, False, 16), False),
+    "sparse_fp8_h5_hoisted_topk_page1": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24),
+                                         (2, 40), None, (16, 16, 4, 2, 1, True, 0, True, 32, True), False),
 }
 
 
@@ -289,6 +294,26 @@ def test_gpu_sparse_topk2048(kv_dtype, q_len, heads):
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, topk=2048, q_len=q_len)
     r = _run_case(problem, Shape(4, 5000), device="cuda")
     assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,page_size,hoist", [(3, 1, 64), (16, 64, 64), (20, 16, 128), (64, 64, 64),
+                                                   (128, 1, 64)])
+def test_gpu_sparse_hoisted_topk(kv_dtype, heads, page_size, hoist):
+    # rows looked up a chunk of top-k slots at a time; short requests give -1 slots and a ragged last chunk
+    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, Tile, params_from_tile, rows_bucket
+
+    kind = "fp8" if kv_dtype == "fp8_e4m3" else "16bit"
+    tile = Tile(*SPARSE_TILE_TABLE[(kind, rows_bucket(heads))])._replace(hoist_pages=hoist)
+    batch = 6  # ragged lengths up to 2500: most requests have fewer than 2048 positions to choose from
+    params = params_from_tile(tile, rows=heads, q_len=2, batch=batch, max_items=2048, sparse=True,
+                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                              lengths=[2048] * batch)
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, topk=2048, q_len=2)
+    r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
+    assert params.hoist_pages == hoist and not r["nan"] and r["unseen_rows_ok"]
+    assert r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL) and r["lse_err"] < 1e-2, r
 
 
 @pytest.mark.gpu
