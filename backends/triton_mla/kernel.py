@@ -48,7 +48,7 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, entries, row_offs, first,
+def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, entries, slots, first,
              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr,
              HOIST_PAGES: tl.constexpr):
     """Token positions `[BLOCK_N]`, their validity, and row pointers into the paged cache.
@@ -63,7 +63,10 @@ def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
         j = tl.where(in_range, offs_n - first, 0)
         pos = tl.gather(entries, j, 0)
         tok_ok = in_range & (pos >= 0)
-        kv_row = kv_ptr + tl.gather(row_offs, j, 0)
+        # The strides multiply after the gather, so Triton still knows the rows are 16-byte
+        # aligned (a gathered byte offset loses that, and the tile loads become scalar).
+        slot = tl.gather(slots, j, 0)
+        kv_row = kv_ptr + (slot // PAGE_SIZE).to(tl.int64) * stride_kvp + (slot % PAGE_SIZE) * stride_kvt
     else:
         if SPARSE:
             pos = tl.load(topk_row + offs_n, mask=in_range, other=-1)
@@ -80,31 +83,32 @@ def _kv_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
 
 
 @triton.jit
-def _chunk_table(bt_row, topk_row, seq_len, c0, c_end, stride_kvp, stride_kvt,
+def _chunk_table(bt_row, topk_row, seq_len, c0, c_end,
                  PAGE_SIZE: tl.constexpr, HOIST_PAGES: tl.constexpr, SPARSE: tl.constexpr):
     """What the tiles of items `c0 .. c_end - 1` look their rows up in, loaded once into
-    registers as `(entries, row_offs, first)` (placeholders without HOIST_PAGES).
+    registers as `(entries, slots, first)` (placeholders without HOIST_PAGES).
 
     Dense: `entries` = the chunk's `HOIST_PAGES` block-table entries from page `first`.
     Sparse: `entries` = the top-k positions of slots `first = c0 ...` (-1 where unused or
-    out of range) and `row_offs` = their rows' element offsets in the cache, so a tile
-    gathers both instead of two dependent loads (top-k slot, then block table).
+    out of range) and `slots` = their rows' indices `page x PAGE_SIZE + pos % PAGE_SIZE` in
+    the cache, so a tile gathers both instead of two dependent loads (top-k slot, then
+    block table).
     """
     offs_p = tl.arange(0, max(HOIST_PAGES, 1))
     entries = offs_p
-    row_offs = offs_p.to(tl.int64)
+    slots = offs_p
     first = c0
     if HOIST_PAGES > 0:
         if SPARSE:
             pos = tl.load(topk_row + c0 + offs_p, mask=c0 + offs_p < c_end, other=-1)
             ok = (pos >= 0) & (pos < seq_len)
             page = tl.load(bt_row + pos // PAGE_SIZE, mask=ok, other=0)
-            row_offs = tl.where(ok, page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt, 0)
+            slots = tl.where(ok, page * PAGE_SIZE + pos % PAGE_SIZE, 0)
             entries = tl.where(ok, pos, -1)
         else:
             first = c0 // PAGE_SIZE
             entries = tl.load(bt_row + first + offs_p, mask=(first + offs_p) * PAGE_SIZE < c_end, other=0)
-    return entries, row_offs, first
+    return entries, slots, first
 
 
 @triton.jit
@@ -281,11 +285,11 @@ def _mla_split_kernel(
             parity = 0
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)
-            entries, row_offs, first = _chunk_table(bt_row, topk_row, seq_len, c0, c_end, stride_kvp,
-                                                    stride_kvt, PAGE_SIZE, HOIST_PAGES, SPARSE)
+            entries, slots, first = _chunk_table(bt_row, topk_row, seq_len, c0, c_end, PAGE_SIZE,
+                                                 HOIST_PAGES, SPARSE)
             for n0 in range(c0, c_end, BLOCK_N):
                 pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                               stride_kvt, entries, row_offs, first, BLOCK_N, PAGE_SIZE,
+                                               stride_kvt, entries, slots, first, BLOCK_N, PAGE_SIZE,
                                                SPARSE, HOIST_PAGES)
                 k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST)
                 k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
@@ -332,11 +336,11 @@ def _mla_split_kernel(
         acc = tl.zeros([BLOCK_H, D_LATENT], dtype=tl.float32)
         for c0 in range(start, end, CHUNK):
             c_end = tl.minimum(c0 + CHUNK, end)
-            entries, row_offs, first = _chunk_table(bt_row, topk_row, seq_len, c0, c_end, stride_kvp,
-                                                    stride_kvt, PAGE_SIZE, HOIST_PAGES, SPARSE)
+            entries, slots, first = _chunk_table(bt_row, topk_row, seq_len, c0, c_end, PAGE_SIZE,
+                                                 HOIST_PAGES, SPARSE)
             for n0 in range(c0, c_end, BLOCK_N):
                 pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                               stride_kvt, entries, row_offs, first, BLOCK_N, PAGE_SIZE,
+                                               stride_kvt, entries, slots, first, BLOCK_N, PAGE_SIZE,
                                                SPARSE, HOIST_PAGES)
                 k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST)
                 k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q_nope.dtype, KV_CAST)
