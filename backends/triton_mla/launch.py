@@ -169,7 +169,7 @@ TILE_TABLE = {
 # The same for sparse (top-k) decode, where a program's rows are the heads of one query
 # token and every tile gathers its rows through the top-k list and the block table.
 SPARSE_TILE_TABLE = {
-    ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
+    ("16bit", 16): (16, 32, 4, 3, True, 2, False, 64, 64),
     ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128),
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
     ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
