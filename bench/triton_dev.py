@@ -393,6 +393,13 @@ def apply_partial_cost(value, path="backends/triton_mla/launch.py"):
     open(path, "w").write(text)
     log(f"# applied PARTIAL_ROW_TOKENS = {value!r} to {path}")
 
+# Round 4b: smaller minimum splits for the FP8 32-row tile, the one bucket that still loses to FlashInfer
+# (dense h32 b1 kv1k; sparse h32 b1): more programs at batch 1-4; larger batches keep their split.
+SMALL_SHAPES = {32: [(32, 1, 1024), (32, 1, 4096), (32, 4, 1024), (32, 4, 16384), (32, 64, 4096)]}
+SMALL_CANDIDATES = {("fp8", 32): [(32, 32, 4, 2, True, 2, True, 64, 64), (32, 32, 4, 2, True, 2, True, 32, 64)]}
+SMALL_SPARSE_SHAPES = {32: [(32, b, 32768, 2048) for b in (1, 4, 16, 128)]}
+SMALL_SPARSE_CANDIDATES = {("fp8", 32): [(32, 32, 4, 2, True, 2, True, 64), (32, 32, 4, 2, True, 2, True, 32)]}
+
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -555,7 +562,7 @@ def summarize(summary):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
-                                     "fp16", "regs", "scores", "sparse_hoist"])
+                                     "fp16", "regs", "scores", "sparse_hoist", "small", "small_sparse"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -589,7 +596,9 @@ def main():
     rounds = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES, SPLIT_SHAPES),
               "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES),
               "scores": (SCORES_CANDIDATES, SCORES_SHAPES),
-              "sparse_hoist": (SPARSE_CANDIDATES, SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
+              "sparse_hoist": (SPARSE_CANDIDATES, SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+              "small": (SMALL_CANDIDATES, SMALL_SHAPES),
+              "small_sparse": (SMALL_SPARSE_CANDIDATES, SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
     if args.mode in rounds:
         winners = hoist_compare(args, bw, mm, *rounds[args.mode])
         if args.apply:
