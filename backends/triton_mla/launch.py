@@ -161,7 +161,7 @@ TILE_TABLE = {
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
     ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
     ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 64, True),
-    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128, 64),
+    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 32, 64),
     ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64, 0, True),
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
@@ -174,7 +174,7 @@ SPARSE_TILE_TABLE = {
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
     ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
     ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 0, True),
-    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 128),
+    ("fp8", 32): (32, 32, 4, 2, True, 2, True, 32),
     ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64, 0, True),
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
