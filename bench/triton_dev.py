@@ -400,6 +400,16 @@ SMALL_CANDIDATES = {("fp8", 32): [(32, 32, 4, 2, True, 2, True, 64, 64), (32, 32
 SMALL_SPARSE_SHAPES = {32: [(32, b, 32768, 2048) for b in (1, 4, 16, 128)]}
 SMALL_SPARSE_CANDIDATES = {("fp8", 32): [(32, 32, 4, 2, True, 2, True, 64), (32, 32, 4, 2, True, 2, True, 32)]}
 
+# Round 4c: minimum split 32 tokens for the other 32-token tiles (the 64-row tiles use 64-token tiles,
+# so 64 is already their floor), on batch 1-16 shapes, where programs are few; batch 64 as a guard.
+SMALL2_SHAPES = {bkt: [(bkt, b, kv) for b, kv in ((1, 1024), (1, 4096), (1, 16384), (4, 4096), (16, 4096), (64, 4096))]
+                 for bkt in (16, 32)}
+SMALL2_CANDIDATES = {
+    ("16bit", 16): [(16, 32, 4, 2, True, 3, False, 32)],
+    ("16bit", 32): [(16, 32, 4, 3, True, 2, False, 32, 64)],
+    ("fp8", 16): [(16, 32, 4, 2, True, 2, True, 32, 64, True)],
+}
+
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -562,7 +572,8 @@ def summarize(summary):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
-                                     "fp16", "regs", "scores", "sparse_hoist", "small", "small_sparse"])
+                                     "fp16", "regs", "scores", "sparse_hoist", "small", "small_sparse",
+                                     "small2"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -597,7 +608,7 @@ def main():
               "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES),
               "scores": (SCORES_CANDIDATES, SCORES_SHAPES),
               "sparse_hoist": (SPARSE_CANDIDATES, SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-              "small": (SMALL_CANDIDATES, SMALL_SHAPES),
+              "small": (SMALL_CANDIDATES, SMALL_SHAPES), "small2": (SMALL2_CANDIDATES, SMALL2_SHAPES),
               "small_sparse": (SMALL_SPARSE_CANDIDATES, SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
     if args.mode in rounds:
         winners = hoist_compare(args, bw, mm, *rounds[args.mode])
