@@ -191,6 +191,20 @@ def test_gpus_without_228kb_shared_memory_get_16_row_tiles():
     assert ampere.block_h == 16, "a 216 KB tile does not fit an A100's 164 KB of shared memory"
 
 
+def test_every_tile_table_entry_launches_dense_and_sparse():
+    # each entry must give valid launch parameters; a sparse chunk of top-k slots holds whole tiles
+    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile
+
+    for sparse, table in ((False, TILE_TABLE), (True, SPARSE_TILE_TABLE)):
+        assert set(table) == {(k, b) for k in ("16bit", "fp8") for b in (16, 32, 64, 128)}
+        for (kind, bucket), fields in table.items():
+            tile = Tile(*fields)
+            p = params_from_tile(tile, rows=bucket, q_len=1, batch=4, max_items=2048, num_sms=132,
+                                 sparse=sparse, lengths=[2048] * 4)
+            assert p.split_items % p.block_n == 0 and p.num_splits * p.split_items >= 2048, (kind, bucket, p)
+            assert not sparse or p.hoist_pages % p.block_n == 0, (kind, bucket, p)
+
+
 def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
     from mla_tune.backends.inputs import ragged_lengths
     from mla_tune.backends.triton_mla.launch import balanced_splits
