@@ -241,29 +241,39 @@ def test_mla_decode_names_the_bad_tensor():
 
 GPU_HEADS = (1, 3, 16, 20, 64, 128)
 EDGE_LENGTHS = [1, 15, 16, 17, 1000, 0]
+GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+
+
+def _tol(kv_dtype: str) -> float:
+    return FP8_TOL if kv_dtype == "fp8_e4m3" else BF16_TOL
+
+
+def _gpu_problem(kv_dtype: str, **kwargs) -> Problem:
+    """An FP16 cache comes with an FP16 query; BF16 and FP8 caches with a BF16 one."""
+    return Problem(kv_cache_dtype=kv_dtype, query_dtype="fp16" if kv_dtype == "fp16" else "bf16", **kwargs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads", GPU_HEADS)
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_gpu_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
-    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, q_len=q_len)
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, q_len=q_len)
     lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS]
     r = _run_case(problem, Shape(len(lens), 1000), device="cuda", seq_lens=lens)
     assert not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
-    assert r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+    assert r["rel_err"] < _tol(kv_dtype), r
     assert r["lse_err"] < 1e-2, r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (128, 2, 32768), (64, 8, 4096), (20, 33, 3000)])
 def test_gpu_dense_long(kv_dtype, heads, batch, kv_len):
-    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, q_len=2 if heads == 20 else 1)
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, q_len=2 if heads == 20 else 1)
     r = _run_case(problem, Shape(batch, kv_len), device="cuda")
-    assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+    assert not r["nan"] and r["rel_err"] < _tol(kv_dtype), r
 
 
 @pytest.mark.gpu
@@ -282,7 +292,7 @@ def test_gpu_split_scores_edge_lengths(kv_dtype, q_len, heads, page_size):
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, q_len=q_len)
     r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
     assert not r["nan"] and r["unseen_rows_ok"]
-    assert r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL) and r["lse_err"] < 1e-2, r
+    assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
 
 
 @pytest.mark.gpu
@@ -301,13 +311,13 @@ def test_gpu_fp8_large_query_stays_finite(heads, fp16_math):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads", GPU_HEADS)
 def test_gpu_sparse_topk2048(kv_dtype, q_len, heads):
-    problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=64, topk=2048, q_len=q_len)
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, topk=2048, q_len=q_len)
     r = _run_case(problem, Shape(4, 5000), device="cuda")
-    assert not r["nan"] and r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL), r
+    assert not r["nan"] and r["rel_err"] < _tol(kv_dtype), r
 
 
 @pytest.mark.gpu
@@ -327,7 +337,7 @@ def test_gpu_sparse_hoisted_topk(kv_dtype, heads, page_size, hoist):
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, topk=2048, q_len=2)
     r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
     assert params.hoist_pages == hoist and not r["nan"] and r["unseen_rows_ok"]
-    assert r["rel_err"] < (FP8_TOL if kv_dtype != "bf16" else BF16_TOL) and r["lse_err"] < 1e-2, r
+    assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
 
 
 @pytest.mark.gpu
