@@ -426,6 +426,17 @@ BLOCKS16_SPARSE_CANDIDATES = {
     ("fp8", 32): [(16, 32, 4, 2, True, 2, True, 64, 0, True), (16, 32, 4, 2, True, 2, True, 128, 0, True)],
 }
 
+# Round 5b: the same at batch 1-16 for 64 and 128 heads (four / eight 16-row blocks against the 64-row
+# tile): measured only; a win would go into launch.SMALL_BATCH_TILES.
+BLOCKS16_SMALL_SHAPES = {bkt: [(bkt, b, kv) for b, kv in ((1, 4096), (1, 16384), (4, 16384), (16, 4096))]
+                         for bkt in (64, 128)}
+BLOCKS16_SMALL_CANDIDATES = {
+    ("16bit", 64): [(16, 32, 4, 2, True, 3, False, 64)],
+    ("16bit", 128): [(16, 32, 4, 2, True, 3, False, 64)],
+    ("fp8", 64): [(16, 32, 4, 2, True, 2, True, 64, 64, True)],
+    ("fp8", 128): [(16, 32, 4, 2, True, 2, True, 64, 64, True)],
+}
+
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -589,7 +600,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
                                      "fp16", "regs", "scores", "sparse_hoist", "small", "small_sparse",
-                                     "small2", "blocks16", "blocks16_sparse"])
+                                     "small2", "blocks16", "blocks16_sparse", "blocks16_small"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -627,6 +638,7 @@ def main():
               "small": (SMALL_CANDIDATES, SMALL_SHAPES), "small2": (SMALL2_CANDIDATES, SMALL2_SHAPES),
               "small_sparse": (SMALL_SPARSE_CANDIDATES, SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
               "blocks16": (BLOCKS16_CANDIDATES, BLOCKS16_SHAPES),
+              "blocks16_small": (BLOCKS16_SMALL_CANDIDATES, BLOCKS16_SMALL_SHAPES),
               "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
     if args.mode in rounds:
         winners = hoist_compare(args, bw, mm, *rounds[args.mode])

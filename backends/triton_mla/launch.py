@@ -179,6 +179,12 @@ SPARSE_TILE_TABLE = {
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
 
+# Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
+# batch. FP8 32 heads as two 16-row blocks: 9-28% faster at batch 1-16 (dense) and 1-4 (sparse), 20-30%
+# slower at batch 64-128 (device call 19, bench/TRITON_NOTES.md round 5).
+SMALL_BATCH_TILES = {("fp8", 32): (16, (16, 32, 4, 2, True, 2, True, 64, 64, True))}
+SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True))}
+
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
 # that the makespan model below otherwise ignores (0.02: measured in device call 6, see
@@ -255,7 +261,8 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False,
                    lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
-    """The heuristic: tiles from `TILE_TABLE` by head rows, splits from batch x length x SMs.
+    """The heuristic: tiles from `TILE_TABLE` by head rows (`SMALL_BATCH_TILES` for few requests),
+    splits from batch x length x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
@@ -267,6 +274,9 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
         bucket = 16
     tile = (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
+    max_batch, small_tile = (SPARSE_SMALL_BATCH_TILES if sparse else SMALL_BATCH_TILES).get((kind, bucket), (0, None))
+    if batch <= max_batch:
+        tile = small_tile
     return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=num_sms, sparse=sparse, lengths=lengths)
 

@@ -193,16 +193,32 @@ def test_gpus_without_228kb_shared_memory_get_16_row_tiles():
 
 def test_every_tile_table_entry_launches_dense_and_sparse():
     # each entry must give valid launch parameters; a sparse chunk of top-k slots holds whole tiles
-    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile
+    from mla_tune.backends.triton_mla.launch import (
+        SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES, SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile)
 
-    for sparse, table in ((False, TILE_TABLE), (True, SPARSE_TILE_TABLE)):
+    for sparse, table, small in ((False, TILE_TABLE, SMALL_BATCH_TILES),
+                                 (True, SPARSE_TILE_TABLE, SPARSE_SMALL_BATCH_TILES)):
         assert set(table) == {(k, b) for k in ("16bit", "fp8") for b in (16, 32, 64, 128)}
-        for (kind, bucket), fields in table.items():
+        assert set(small) <= set(table)
+        entries = list(table.items()) + [(key, fields) for key, (_, fields) in small.items()]
+        for (kind, bucket), fields in entries:
             tile = Tile(*fields)
             p = params_from_tile(tile, rows=bucket, q_len=1, batch=4, max_items=2048, num_sms=132,
                                  sparse=sparse, lengths=[2048] * 4)
             assert p.split_items % p.block_n == 0 and p.num_splits * p.split_items >= 2048, (kind, bucket, p)
             assert not sparse or p.hoist_pages % p.block_n == 0, (kind, bucket, p)
+
+
+def test_small_batches_take_their_own_tile_up_to_the_measured_batch():
+    from mla_tune.backends.triton_mla.launch import SMALL_BATCH_TILES, TILE_TABLE, Tile, default_params
+
+    (max_batch, small), = [v for k, v in SMALL_BATCH_TILES.items() if k == ("fp8", 32)]
+    few = default_params(num_heads=32, q_len=1, batch=max_batch, max_items=4096, num_sms=132, kv_fp8=True)
+    many = default_params(num_heads=32, q_len=1, batch=max_batch + 1, max_items=4096, num_sms=132, kv_fp8=True)
+    assert few.block_h == Tile(*small).block_h == 16
+    assert many.block_h == Tile(*TILE_TABLE[("fp8", 32)]).block_h == 32
+    bf16 = default_params(num_heads=32, q_len=1, batch=1, max_items=4096, num_sms=132)
+    assert bf16.block_h == Tile(*TILE_TABLE[("16bit", 32)]).block_h, "only measured buckets change"
 
 
 def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
