@@ -357,6 +357,24 @@ def test_gpu_sparse_hoisted_topk(kv_dtype, heads, page_size, hoist):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,heads,topk", [("fp8_e4m3", 32, None), ("fp8_e4m3", 20, None),
+                                                 ("fp8_e4m3", 32, 2048), ("bf16", 64, None), ("bf16", 33, None)])
+def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
+    # batches up to SMALL_BATCH_TILES' limit take the narrower tile: several 16-row blocks per request
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    batch = 3
+    lens = [5000, 17, 1000]
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=topk or 5000, num_sms=132,
+                            sparse=topk is not None, kv_fp8=kv_dtype == "fp8_e4m3", lengths=[topk] * batch if topk else lens,
+                            cc_major=9)
+    assert params.block_h == 16, params
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, topk=topk)
+    r = _run_case(problem, Shape(batch, 5000), device="cuda", seq_lens=None if topk else lens)
+    assert not r["nan"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
 def test_gpu_sparse_short_requests_pad_with_minus_one():
     problem = Problem(num_heads=16, kv_cache_dtype="bf16", page_size=1, topk=2048, q_len=2)
     r = _run_case(problem, Shape(3, 700), device="cuda")
