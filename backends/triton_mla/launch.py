@@ -181,11 +181,11 @@ SPARSE_TILE_TABLE = {
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
 # batch, where a narrower tile's extra programs beat the wider tile's single read of each KV tile.
-# FP8 32 heads as two 16-row blocks: dense batch 1-4 2-28% faster, batch 16 9-15% slower (uniform lengths,
-# device call 20); sparse batch 1-4 6-22% faster, batch 16+ slower (calls 19-20). BF16 64 heads as four
-# 16-row blocks: batch 1-4 5-6% faster, batch 16 2% slower (call 20). bench/TRITON_NOTES.md, round 5.
+# FP8 32 heads as two 16-row blocks: dense batch 1-4 3-28% faster, batch 16 up to 15% slower (uniform lengths,
+# device calls 20-21); sparse batch 1-4 6-22% faster, batch 16+ slower (calls 19-21). BF16 64 heads as four
+# 16-row blocks: batch 1 7-26% faster, batch 4 kv 16k 33% slower (call 21). bench/TRITON_NOTES.md, round 5.
 SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 64, True)),
-                     ("16bit", 64): (4, (16, 32, 4, 2, True, 3, False, 64))}
+                     ("16bit", 64): (1, (16, 32, 4, 2, True, 3, False, 64))}
 SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True))}
 
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
