@@ -6,6 +6,7 @@ kv_len >= 4096, how many shapes ours wins, and our fraction of the roofline (the
 column) at batch >= 64, kv_len >= 4096, heads <= 64.
 
 Usage: python3 bench/summarize_kernels.py bench/results/kernels-h100-dense-20261122.txt
+       python3 bench/summarize_kernels.py OLD.txt+NEWER.txt   (NEWER's shapes replace OLD's)
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from collections import defaultdict
 
 
 def read(path: str):
-    """{(kv, heads, batch, kv_len): {backend: (median_us, frac)}} for every `ok` row."""
+    """{(kv, heads, batch, kv_len): {backend: (median_us, frac)}} for every `ok` row.
+
+    `A+B`: the rows of A, with every shape that B measured taken from B instead.
+    """
+    if "+" in path:
+        base, _, newer = path.rpartition("+")
+        rows = read(base)
+        rows.update(read(newer))
+        return rows
     rows = defaultdict(dict)
     for line in open(path):
         cells = line.split()
