@@ -437,6 +437,12 @@ BLOCKS16_SMALL_CANDIDATES = {
     ("fp8", 128): [(16, 32, 4, 2, True, 2, True, 64, 64, True)],
 }
 
+# Round 6: a 32-row BF16 tile (the FP8 32-row tile's shape, no cast) against two 16-row blocks for 32 heads.
+ROWS32_SHAPES = {32: [(32, b, kv) for b, kv in ((1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 4096))]}
+ROWS32_CANDIDATES = {("16bit", 32): [(32, 32, 4, 2, True, 2, False, 64, 64), (32, 32, 4, 2, True, 2, False, 64)]}
+ROWS32_SPARSE_SHAPES = {32: [(32, b, 32768, 2048) for b in (4, 16, 64, 128)]}
+ROWS32_SPARSE_CANDIDATES = {("16bit", 32): [(32, 32, 4, 2, True, 2, False, 64), (32, 32, 4, 3, True, 2, False, 64, 64)]}
+
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -600,7 +606,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
                                      "fp16", "regs", "scores", "sparse_hoist", "small", "small_sparse",
-                                     "small2", "blocks16", "blocks16_sparse", "blocks16_small"])
+                                     "small2", "blocks16", "blocks16_sparse", "blocks16_small",
+                                     "rows32", "rows32_sparse"])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -639,6 +646,8 @@ def main():
               "small_sparse": (SMALL_SPARSE_CANDIDATES, SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
               "blocks16": (BLOCKS16_CANDIDATES, BLOCKS16_SHAPES),
               "blocks16_small": (BLOCKS16_SMALL_CANDIDATES, BLOCKS16_SMALL_SHAPES),
+              "rows32": (ROWS32_CANDIDATES, ROWS32_SHAPES),
+              "rows32_sparse": (ROWS32_SPARSE_CANDIDATES, ROWS32_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
               "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
     if args.mode in rounds:
         winners = hoist_compare(args, bw, mm, *rounds[args.mode])
