@@ -170,7 +170,7 @@ TILE_TABLE = {
 # token and every tile gathers its rows through the top-k list and the block table.
 SPARSE_TILE_TABLE = {
     ("16bit", 16): (16, 32, 4, 3, True, 2, False, 64, 64),
-    ("16bit", 32): (16, 32, 4, 3, True, 2, False, 128),
+    ("16bit", 32): (32, 32, 4, 3, True, 2, False, 64, 64),
     ("16bit", 64): (64, 64, 8, 2, True, 1, False, 64),
     ("16bit", 128): (64, 64, 8, 2, True, 1, False, 64, 0, False, 0, True),
     ("fp8", 16): (16, 32, 4, 2, True, 2, True, 64, 0, True),
@@ -186,7 +186,10 @@ SPARSE_TILE_TABLE = {
 # 16-row blocks: batch 1 7-26% faster, batch 4 kv 16k 33% slower (call 21). bench/TRITON_NOTES.md, round 5.
 SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 64, True)),
                      ("16bit", 64): (1, (16, 32, 4, 2, True, 3, False, 64))}
-SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True))}
+# Sparse BF16 32 heads: the 32-row tile (hoisted, 3 stages) is 9-12% faster than two 16-row blocks at batch
+# 64-128 and 6-8% slower at batch 1-16 (call 24), so the 16-row blocks stay up to batch 16.
+SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True)),
+                            ("16bit", 32): (16, (16, 32, 4, 3, True, 2, False, 128))}
 
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic

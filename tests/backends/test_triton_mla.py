@@ -376,6 +376,21 @@ def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16"])
+def test_gpu_sparse_32_rows_above_the_small_batch_limit(kv_dtype):
+    # batch 17 > SPARSE_SMALL_BATCH_TILES' 16: one hoisted 32-row program per query token and split
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    batch = 17
+    params = default_params(num_heads=32, q_len=2, batch=batch, max_items=2048, num_sms=132, sparse=True,
+                            lengths=[2048] * batch, cc_major=9)
+    assert params.block_h == 32 and params.hoist_pages == 64, params
+    problem = _gpu_problem(kv_dtype, num_heads=32, page_size=16, topk=2048, q_len=2)
+    r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
+    assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
 def test_gpu_sparse_short_requests_pad_with_minus_one():
     problem = Problem(num_heads=16, kv_cache_dtype="bf16", page_size=1, topk=2048, q_len=2)
     r = _run_case(problem, Shape(3, 700), device="cuda")
