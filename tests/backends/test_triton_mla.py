@@ -63,6 +63,9 @@ CPU_CASES = {
     # sparse rows looked up a chunk of top-k slots at a time (ragged chunks, -1 slots, several splits)
     "sparse_bf16_h3_hoisted_topk": (dict(num_heads=3, page_size=16, topk=40, q_len=2), (3, 60), [60, 17, 33],
                                     (16, 16, 4, 2, 2, True, 0, False, 16), False),
+    # the 32-row sparse BF16 tile (odd head count: 20 of 32 rows used), hoisted, two splits
+    "sparse_bf16_h20_rows32_hoisted": (dict(num_heads=20, page_size=16, topk=48, q_len=2), (3, 70), [70, 17, 40],
+                                       (32, 16, 4, 3, 2, True, 0, False, 32), False),
     "sparse_fp8_h5_hoisted_topk_page1": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24),
                                          (2, 40), None, (16, 16, 4, 2, 1, True, 0, True, 32, True), False),
 }
