@@ -602,12 +602,23 @@ def summarize(summary):
     return out
 
 
+# mode -> (candidates, shapes[, table name]) for `hoist_compare`
+ROUNDS = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES, SPLIT_SHAPES),
+          "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES),
+          "scores": (SCORES_CANDIDATES, SCORES_SHAPES),
+          "sparse_hoist": (SPARSE_CANDIDATES, SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+          "small": (SMALL_CANDIDATES, SMALL_SHAPES), "small2": (SMALL2_CANDIDATES, SMALL2_SHAPES),
+          "small_sparse": (SMALL_SPARSE_CANDIDATES, SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+          "blocks16": (BLOCKS16_CANDIDATES, BLOCKS16_SHAPES),
+          "blocks16_small": (BLOCKS16_SMALL_CANDIDATES, BLOCKS16_SMALL_SHAPES),
+          "rows32": (ROWS32_CANDIDATES, ROWS32_SHAPES),
+          "rows32_sparse": (ROWS32_SPARSE_CANDIDATES, ROWS32_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+          "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "hoist", "splits", "partials",
-                                     "fp16", "regs", "scores", "sparse_hoist", "small", "small_sparse",
-                                     "small2", "blocks16", "blocks16_sparse", "blocks16_small",
-                                     "rows32", "rows32_sparse"])
+    ap.add_argument("mode", choices=["sweep", "grid", "sparse", "all", "compare", "partials", *ROUNDS])
     ap.add_argument("--flashinfer", action="store_true")
     ap.add_argument("--dtypes", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
@@ -638,21 +649,10 @@ def main():
         value = partials_compare(args, bw, mm)
         if args.apply:
             apply_partial_cost(value)
-    rounds = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES, SPLIT_SHAPES),
-              "fp16": (FP16_CANDIDATES, FP16_SHAPES), "regs": (REGS_CANDIDATES, REGS_SHAPES),
-              "scores": (SCORES_CANDIDATES, SCORES_SHAPES),
-              "sparse_hoist": (SPARSE_CANDIDATES, SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-              "small": (SMALL_CANDIDATES, SMALL_SHAPES), "small2": (SMALL2_CANDIDATES, SMALL2_SHAPES),
-              "small_sparse": (SMALL_SPARSE_CANDIDATES, SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-              "blocks16": (BLOCKS16_CANDIDATES, BLOCKS16_SHAPES),
-              "blocks16_small": (BLOCKS16_SMALL_CANDIDATES, BLOCKS16_SMALL_SHAPES),
-              "rows32": (ROWS32_CANDIDATES, ROWS32_SHAPES),
-              "rows32_sparse": (ROWS32_SPARSE_CANDIDATES, ROWS32_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-              "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
-    if args.mode in rounds:
-        winners = hoist_compare(args, bw, mm, *rounds[args.mode])
+    if args.mode in ROUNDS:
+        winners = hoist_compare(args, bw, mm, *ROUNDS[args.mode])
         if args.apply:
-            apply_tiles(winners, table=(rounds[args.mode] + ("TILE_TABLE",))[2])
+            apply_tiles(winners, table=(ROUNDS[args.mode] + ("TILE_TABLE",))[2])
     if args.mode in ("sweep", "all"):
         table = sweep(args, bw, mm)
     if args.mode in ("grid", "all"):

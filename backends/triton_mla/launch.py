@@ -180,14 +180,17 @@ SPARSE_TILE_TABLE = {
 }
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
-# batch, where a narrower tile's extra programs beat the wider tile's single read of each KV tile.
-# FP8 32 heads as two 16-row blocks: dense batch 1-4 3-28% faster, batch 16 up to 15% slower (uniform lengths,
-# device calls 20-21); sparse batch 1-4 6-22% faster, batch 16+ slower (calls 19-21). BF16 64 heads as four
-# 16-row blocks: batch 1 7-26% faster, batch 4 kv 16k 33% slower (call 21). bench/TRITON_NOTES.md, round 5.
+# batch, where a narrower tile's extra programs beat the wider tile's single read of each KV tile (H100;
+# bench/TRITON_NOTES.md, rounds 5-6). FP8 32 heads as two 16-row blocks: same-process A/B (call 19, ragged)
+# batch 1-16 9-28% faster, batch 64-128 13-20% slower; official grid (call 20 against call 18) batch 16
+# 9-15% slower at kv 4k-16k, so dense stops at batch 4; sparse A/B batch 1-4 6-18% faster, batch 16+ slower.
+# BF16 64 heads as four 16-row blocks: A/B (call 20) batch 1 5-6% faster; official grid (call 21 against
+# call 18) batch 1 7-26% faster, batch 4 kv 16k 33% slower, so batch 1 only.
 SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 64, True)),
                      ("16bit", 64): (1, (16, 32, 4, 2, True, 3, False, 64))}
-# Sparse BF16 32 heads: the 32-row tile (hoisted, 3 stages) is 9-12% faster than two 16-row blocks at batch
-# 64-128 and 6-8% slower at batch 1-16 (call 24), so the 16-row blocks stay up to batch 16.
+# Sparse BF16 32 heads: the table's 32-row tile against two 16-row blocks, same-process A/B (call 24): batch
+# 64-128 10-15% faster, batch 4-16 2-4% slower (official rows, call 24 against call 21: batch 1-16 6-8% slower),
+# so the 16-row blocks stay up to batch 16.
 SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True)),
                             ("16bit", 32): (16, (16, 32, 4, 3, True, 2, False, 128))}
 

@@ -364,9 +364,10 @@ def test_gpu_sparse_hoisted_topk(kv_dtype, heads, page_size, hoist):
                                                  ("fp8_e4m3", 32, 2048), ("bf16", 64, None), ("bf16", 33, None)])
 def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
     # batches up to SMALL_BATCH_TILES' limit take the narrower tile: several 16-row blocks per request
-    from mla_tune.backends.triton_mla.launch import SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES, default_params
+    from mla_tune.backends.triton_mla.launch import (
+        SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES, default_params, rows_bucket)
 
-    kind = ("fp8" if kv_dtype == "fp8_e4m3" else "16bit", 32 if heads <= 32 else 64)
+    kind = ("fp8" if kv_dtype == "fp8_e4m3" else "16bit", rows_bucket(heads))
     batch = min(3, (SPARSE_SMALL_BATCH_TILES if topk else SMALL_BATCH_TILES)[kind][0])
     lens = [5000, 17, 1000][:batch]
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=topk or 5000, num_sms=132,
@@ -374,7 +375,7 @@ def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
                             cc_major=9)
     assert params.block_h == 16, params
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, topk=topk)
-    r = _run_case(problem, Shape(batch, 5000), device="cuda", seq_lens=None if topk else lens)
+    r = _run_case(problem, Shape(batch, 5000), device="cuda", seq_lens=None if topk else lens, params=params)
     assert not r["nan"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
 
 
