@@ -443,6 +443,22 @@ ROWS32_CANDIDATES = {("16bit", 32): [(32, 32, 4, 2, True, 2, False, 64, 64), (32
 ROWS32_SPARSE_SHAPES = {32: [(32, b, 32768, 2048) for b in (4, 16, 64, 128)]}
 ROWS32_SPARSE_CANDIDATES = {("16bit", 32): [(32, 32, 4, 2, True, 2, False, 64), (32, 32, 4, 3, True, 2, False, 64, 64)]}
 
+# Round 7: the FP8 V reload cast to fp16 by an opaque inline-asm cvt (`opaque_v_cast`), so V reaches the
+# MMA through ldmatrix.trans on fp16 instead of byte loads of the FP8 tile (offline sm_90 compile of the
+# 16-row tile: 255 registers with 48 B spilled -> 168, no spills; 128 ld.shared.b8 -> 16 ldmatrix.x4.trans).
+VCAST_SHAPES = {b: [(h, n, kv) for h in ((16,) if b == 16 else (32, 20)) for n, kv in
+                    ((1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384))] for b in (16, 32)}
+VCAST_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 64, 64, True, 0, False, True),
+                                  (16, 32, 4, 3, True, 2, True, 64, 64, True, 0, False, True)],
+                    ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 32, 64, True, 0, False, True),
+                                  (32, 32, 4, 2, True, 1, True, 32, 64, True, 0, False, True)]}
+VCAST_SPARSE_SHAPES = {b: [(h, n, 32768, 2048) for h in ((16,) if b == 16 else (32,)) for n in (4, 16, 64, 128)]
+                       for b in (16, 32)}
+VCAST_SPARSE_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 64, 0, True, 0, False, True),
+                                         (16, 32, 4, 2, True, 2, True, 64, 64, True, 0, False, True)],
+                           ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 32, 0, True, 0, False, True),
+                                         (32, 32, 4, 2, True, 2, True, 32, 64, True, 0, False, True)]}
+
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -613,7 +629,9 @@ ROUNDS = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES
           "blocks16_small": (BLOCKS16_SMALL_CANDIDATES, BLOCKS16_SMALL_SHAPES),
           "rows32": (ROWS32_CANDIDATES, ROWS32_SHAPES),
           "rows32_sparse": (ROWS32_SPARSE_CANDIDATES, ROWS32_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-          "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
+          "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+          "vcast": (VCAST_CANDIDATES, VCAST_SHAPES),
+          "vcast_sparse": (VCAST_SPARSE_CANDIDATES, VCAST_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
 
 
 def main():

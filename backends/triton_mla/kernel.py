@@ -113,14 +113,24 @@ def _chunk_table(bt_row, topk_row, seq_len, c0, c_end,
 
 @triton.jit
 def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.constexpr,
-             LAST_USE: tl.constexpr = False):
-    """Columns `col0 + offs` of the tile, zero for invalid tokens; FP8 cast to `dtype` (exact)."""
+             LAST_USE: tl.constexpr = False, OPAQUE_CAST: tl.constexpr = False):
+    """Columns `col0 + offs` of the tile, zero for invalid tokens; FP8 cast to `dtype` (exact).
+
+    OPAQUE_CAST (FP8 to fp16 only): the cast is an inline-asm `cvt` marked impure, which
+    Triton cannot move past the change to the MMA operand layout. So the fp16 tile goes
+    through shared memory and reaches the V operand by `ldmatrix.trans`; with the plain
+    cast Triton moves the 8-bit tile instead, and 8-bit values have no transposing
+    `ldmatrix`: a 16-row tile then reads V with 128 byte loads per thread and tile.
+    """
     if LAST_USE:  # a distinct load (not merged with an identical earlier one), evicted first
         k = tl.load(kv_row[:, None] + col0 + offs[None, :], mask=tok_ok[:, None], other=0.0,
                     eviction_policy="evict_first")
     else:
         k = tl.load(kv_row[:, None] + col0 + offs[None, :], mask=tok_ok[:, None], other=0.0)
-    if KV_CAST:  # the per-tensor scale is applied outside the matmuls
+    if KV_CAST and OPAQUE_CAST and dtype == tl.float16:
+        k = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [k.to(tl.int8, bitcast=True)],
+                                      dtype=tl.float16, is_pure=False, pack=2)
+    elif KV_CAST:  # the per-tensor scale is applied outside the matmuls
         k = k.to(dtype)
     return k
 
@@ -208,7 +218,7 @@ def _mla_split_kernel(
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
-    p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False,
+    p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -315,10 +325,10 @@ def _mla_split_kernel(
                                          a_slots + parity * BLOCK_H, parity, DOT_UPCAST)
                     parity = 1 - parity
                 if RELOAD_V:  # see the unsplit loop below
-                    k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-                    k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-                    k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
-                    k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True)
+                    k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
+                    k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
+                    k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
+                    k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
                 acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
                 acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
                 acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
@@ -350,7 +360,7 @@ def _mla_split_kernel(
                 if RELOAD_V:
                     # A second load of the same rows (an L1/L2 hit) gives each load a single
                     # consumer, which Triton can pipeline through shared memory.
-                    k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST, True)
+                    k = _load_kv(kv_row, 0, offs_c, tok_ok, q_nope.dtype, KV_CAST, True, OPAQUE_V_CAST)
                 acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], DOT_UPCAST)
         inv_l = _inv_l(l_i, kv_scale)
         o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh

@@ -48,6 +48,7 @@ PARAM_SPACE = {
     "fp16_math": (False, True),
     "max_regs": (0, 128, 168),
     "split_scores": (False, True),
+    "opaque_v_cast": (False, True),
 }
 
 
@@ -74,6 +75,9 @@ class LaunchParams:
             block-table entries (a multiple of block_n). Then no KV address depends on a
             load inside the tile loop, and Triton can keep a tile in flight during the
             compute of the previous one (without it the tile loads are not overlapped).
+        opaque_v_cast: FP8 with `fp16_math` and `reload_v`: the V reload is cast to fp16 by an
+            inline-asm `cvt` Triton cannot reorder, so V reaches the MMA through `ldmatrix.trans`
+            on the fp16 tile instead of byte loads of the FP8 tile (see `_load_kv`).
     """
 
     block_h: int = 64
@@ -88,16 +92,20 @@ class LaunchParams:
     fp16_math: bool = False
     max_regs: int = 0
     split_scores: bool = False
+    opaque_v_cast: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
             raise ValueError("split_scores needs split_d")
+        if self.opaque_v_cast and not (self.reload_v and self.fp16_math):
+            raise ValueError("opaque_v_cast needs reload_v and fp16_math")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
+                f"{'o' if self.opaque_v_cast else ''}"
                 f"x{self.num_splits}")
 
 
@@ -149,11 +157,12 @@ class Tile(NamedTuple):
     fp16_math: bool = False
     max_regs: int = 0
     split_scores: bool = False
+    opaque_v_cast: bool = False
 
 
 # (KV kind, rows bucket) -> tile, a `Tile`'s fields in order: block_h, block_n, num_warps,
 # num_stages, split_d, per_sm, reload_v, min_split_tokens[, hoist_pages, fp16_math, max_regs,
-# split_scores]. Chosen from measurements on one
+# split_scores, opaque_v_cast]. Chosen from measurements on one
 # H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
     ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
@@ -249,7 +258,8 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     block_h, block_n, per_sm, min_split = t.block_h, t.block_n, t.per_sm, t.min_split_tokens
     fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
                  split_d=t.split_d, reload_v=t.reload_v, hoist_pages=t.hoist_pages,
-                 fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores)
+                 fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores,
+                 opaque_v_cast=t.opaque_v_cast)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
@@ -381,7 +391,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
         DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
         HOIST_PAGES=params.hoist_pages,
-        FP16_MATH=fp16_math,
+        FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
         p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
         num_warps=params.num_warps, num_stages=params.num_stages,
         **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),

@@ -421,3 +421,44 @@ def test_gpu_adapter_runs_inside_a_cuda_graph():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     _worker()
+
+
+def test_opaque_v_cast_needs_the_v_reload_and_fp16_math():
+    from mla_tune.backends.triton_mla import LaunchParams
+
+    with pytest.raises(ValueError, match="opaque_v_cast needs reload_v and fp16_math"):
+        LaunchParams(block_h=16, opaque_v_cast=True, fp16_math=True)
+    assert LaunchParams(block_h=16, reload_v=True, fp16_math=True, opaque_v_cast=True).label().endswith("ox1")
+
+
+def test_opaque_v_cast_reads_v_as_fp16_through_ldmatrix_trans_on_sm90():
+    # offline sm_90 compile of the FP8 16-row tile: the V operand must not come from 8-bit shared loads
+    from sm90_compile import sm90_ptx
+
+    tile = dict(block_h=16, block_n=32, num_warps=4, num_stages=2, RELOAD_V=True, HOIST_PAGES=64, FP16_MATH=True)
+    opaque = sm90_ptx(**tile, OPAQUE_V_CAST=True)
+    assert "ld.shared.b8" not in opaque and "ld.shared.u8" not in opaque
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in opaque
+    assert opaque.count("cvt.rn.f16x2.e4m3x2") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("heads,page_size,block_h,topk", [(3, 16, 16, None), (16, 64, 16, None), (20, 16, 32, None),
+                                                          (32, 128, 32, None), (16, 1, 16, 2048), (20, 64, 32, 2048)])
+def test_gpu_opaque_v_cast(q_len, heads, page_size, block_h, topk):
+    # FP8 V reload cast by inline asm (opaque_v_cast): edge and ragged lengths, permuted pages, top-k
+    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile
+
+    tile = Tile(*(SPARSE_TILE_TABLE if topk else TILE_TABLE)[("fp8", block_h)])
+    tile = tile._replace(reload_v=True, fp16_math=True, opaque_v_cast=True)
+    # dense: edge lengths; sparse: ragged lengths up to 2500, so most requests leave top-k slots at -1
+    lens = None if topk else [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
+    batch = 6 if topk else len(lens)
+    params = params_from_tile(tile, rows=heads if topk else heads * q_len, q_len=q_len, batch=batch,
+                              max_items=topk or 5000, sparse=bool(topk), lengths=[topk] * batch if topk else lens,
+                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len, topk=topk)
+    r = _run_case(problem, Shape(batch, 2500 if topk else 5000), device="cuda", seq_lens=lens, params=params)
+    assert params.opaque_v_cast and not r["nan"] and r["unseen_rows_ok"]
+    assert r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
