@@ -446,7 +446,7 @@ ROWS32_SPARSE_CANDIDATES = {("16bit", 32): [(32, 32, 4, 2, True, 2, False, 64), 
 # Round 7: the FP8 V reload cast to fp16 by an opaque inline-asm cvt (`opaque_v_cast`), so V reaches the
 # MMA through ldmatrix.trans on fp16 instead of byte loads of the FP8 tile (offline sm_90 compile of the
 # 16-row tile: 255 registers with 48 B spilled -> 168, no spills; 128 ld.shared.b8 -> 16 ldmatrix.x4.trans).
-VCAST_SHAPES = {b: [(h, n, kv) for h in ((16,) if b == 16 else (32, 20)) for n, kv in
+VCAST_SHAPES = {b: [(b, n, kv) for n, kv in
                     ((1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384))] for b in (16, 32)}
 VCAST_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 64, 64, True, 0, False, True),
                                   (16, 32, 4, 3, True, 2, True, 64, 64, True, 0, False, True)],
