@@ -459,6 +459,17 @@ VCAST_SPARSE_CANDIDATES = {("fp8", 16): [(16, 32, 4, 2, True, 2, True, 64, 0, Tr
                            ("fp8", 32): [(32, 32, 4, 2, True, 2, True, 32, 0, True, 0, False, True),
                                          (32, 32, 4, 2, True, 2, True, 32, 64, True, 0, False, True)]}
 
+# After call 26 (the shipped 32-row FP8 tiles now carry fp16_math + opaque_v_cast): what each flag gave (fp16 math
+# alone against both), and the 16-row small-batch tiles against the new 32-row tiles at batch 1-16.
+VCAST_SPLIT_SHAPES = {32: VCAST_SHAPES[32]}
+VCAST_SPLIT_CANDIDATES = {("fp8", 32): [(32, 32, 4, 2, True, 2, True, 32, 64, True)]}
+VCAST_SPLIT_SPARSE_SHAPES = {32: VCAST_SPARSE_SHAPES[32]}
+VCAST_SPLIT_SPARSE_CANDIDATES = {("fp8", 32): [(32, 32, 4, 2, True, 2, True, 32, 0, True)]}
+VCAST_SMALL_SHAPES = {32: [(32, b, kv) for b, kv in ((1, 1024), (1, 4096), (4, 4096), (4, 16384), (16, 4096))]}
+VCAST_SMALL_CANDIDATES = {("fp8", 32): [(16, 32, 4, 2, True, 2, True, 64, 64, True)]}
+VCAST_SMALL_SPARSE_SHAPES = {32: [(32, b, 32768, 2048) for b in (1, 4, 16)]}
+VCAST_SMALL_SPARSE_CANDIDATES = {("fp8", 32): [(16, 32, 4, 2, True, 2, True, 64, 0, True)]}
+
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -631,7 +642,11 @@ ROUNDS = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES
           "rows32_sparse": (ROWS32_SPARSE_CANDIDATES, ROWS32_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
           "blocks16_sparse": (BLOCKS16_SPARSE_CANDIDATES, BLOCKS16_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
           "vcast": (VCAST_CANDIDATES, VCAST_SHAPES),
-          "vcast_sparse": (VCAST_SPARSE_CANDIDATES, VCAST_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
+          "vcast_sparse": (VCAST_SPARSE_CANDIDATES, VCAST_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+          "vcast_split": (VCAST_SPLIT_CANDIDATES, VCAST_SPLIT_SHAPES),
+          "vcast_split_sparse": (VCAST_SPLIT_SPARSE_CANDIDATES, VCAST_SPLIT_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
+          "vcast_small": (VCAST_SMALL_CANDIDATES, VCAST_SMALL_SHAPES),
+          "vcast_small_sparse": (VCAST_SMALL_SPARSE_CANDIDATES, VCAST_SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
 
 
 def main():
