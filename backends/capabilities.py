@@ -24,6 +24,7 @@ class Capabilities:
     kv_cache_dtypes: frozenset[str] = frozenset({"bf16", "fp16"})
     fp8_needs_bf16_query: bool = False             # FP8 KV only with a bf16 query
     fp8_cc_majors: frozenset[int] | None = None    # FP8 KV only on these majors
+    fp8_min_cc: tuple[int, int] | None = None      # FP8 KV only from this compute capability
     page_sizes: frozenset[int] | None = None
     page_size_multiple: int | None = None
     min_heads: int = 1
@@ -87,6 +88,9 @@ def eligibility_reasons(caps: Capabilities, problem: Problem, device: DeviceSpec
                 and device.compute_capability[0] not in caps.fp8_cc_majors:
             reasons.append(f"FP8 KV cache is not supported on compute capability {device.cc_label} "
                            f"(only major {_fmt(caps.fp8_cc_majors)})")
+        if device is not None and caps.fp8_min_cc is not None and device.compute_capability < caps.fp8_min_cc:
+            reasons.append(f"FP8 KV cache needs compute capability {caps.fp8_min_cc[0]}.{caps.fp8_min_cc[1]} "
+                           f"or newer, got {device.cc_label}")
     if caps.page_sizes is not None and problem.page_size not in caps.page_sizes:
         reasons.append(f"page_size {problem.page_size} not in {_fmt(caps.page_sizes)}")
     if caps.page_size_multiple is not None and problem.page_size % caps.page_size_multiple:

@@ -39,7 +39,8 @@ _BF16_FP16 = frozenset({"bf16", "fp16"})
 _WITH_FP8 = frozenset({"bf16", "fp16", "fp8_e4m3"})
 _FLASHINFER_HOPPER = dict(min_cc=(8, 0), kv_cache_dtypes=_WITH_FP8, fp8_needs_bf16_query=True,
                           fp8_cc_majors=frozenset({9}), required_modules=("flashinfer", "torch"))
-_TRITON = dict(min_cc=(8, 0), kv_cache_dtypes=_WITH_FP8, fp8_needs_bf16_query=True,
+# Triton has e4m3 (`fp8e4nv`) only from SM89: below it the FP8 kernels do not compile.
+_TRITON = dict(min_cc=(8, 0), kv_cache_dtypes=_WITH_FP8, fp8_needs_bf16_query=True, fp8_min_cc=(8, 9),
                max_heads=128, max_q_len=4, required_modules=("triton", "torch"))
 _SM100 = frozenset({10})
 

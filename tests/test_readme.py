@@ -11,7 +11,7 @@ from mla_tune.backends.problem import DeviceSpec, Problem
 from mla_tune.backends.registry import BACKENDS, backend_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = {"Ampere / Ada (SM80-89)": (8, 0), "Hopper (SM90)": (9, 0), "Blackwell (SM100/103)": (10, 0),
+FAMILIES = {"Ampere (SM80/86)": (8, 0), "Ada (SM89)": (8, 9), "Hopper (SM90)": (9, 0), "Blackwell (SM100/103)": (10, 0),
             "Blackwell RTX (SM120/121)": (12, 0)}
 
 

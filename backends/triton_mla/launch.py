@@ -34,7 +34,8 @@ D_LATENT = 512
 D_ROPE = 64
 MAX_SPLITS = 64
 
-# The declared tuning space: every combination is a valid launch on SM80+.
+# The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+
+# (split_scores needs split_d; opaque_v_cast needs reload_v and fp16_math, and FP8 KV needs SM89+).
 PARAM_SPACE = {
     "block_h": (16, 32, 64),
     "block_n": (16, 32, 64),

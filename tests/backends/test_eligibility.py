@@ -77,6 +77,15 @@ def test_fp8_kv_on_hopper_only_for_flashinfer_fa2():
     assert reasons == ["FP8 KV cache is not supported on compute capability 8.0 (only major {9})"]
 
 
+def test_triton_fp8_kv_needs_sm89_where_triton_has_e4m3():
+    for name, topk in (("TRITON_MLA", None), ("TRITON_MLA_SPARSE", 2048)):
+        fp8, bf16 = (Problem(num_heads=16, kv_cache_dtype=kv, topk=topk) for kv in ("fp8", "bf16"))
+        assert backend_reasons(name, fp8, DEVICES["SM80"], check_packages=False) == [
+            "FP8 KV cache needs compute capability 8.9 or newer, got 8.0"]
+        assert not backend_reasons(name, fp8, DEVICES["SM89"], check_packages=False)
+        assert not backend_reasons(name, bf16, DEVICES["SM80"], check_packages=False)
+
+
 def test_fp8_kv_needs_a_bf16_query():
     problem = Problem(num_heads=64, kv_cache_dtype="fp8", query_dtype="fp16")
     reasons = backend_reasons("TRITON_MLA", problem, DEVICES["SM90"], check_packages=False)

@@ -433,10 +433,10 @@ def test_opaque_v_cast_needs_the_v_reload_and_fp16_math():
 
 def test_opaque_v_cast_reads_v_as_fp16_through_ldmatrix_trans_on_sm90():
     # offline sm_90 compile of the FP8 16-row tile: the V operand must not come from 8-bit shared loads
-    from sm90_compile import sm90_ptx
+    from offline_compile import kernel_ptx
 
     tile = dict(block_h=16, block_n=32, num_warps=4, num_stages=2, RELOAD_V=True, HOIST_PAGES=64, FP16_MATH=True)
-    opaque = sm90_ptx(**tile, OPAQUE_V_CAST=True)
+    opaque = kernel_ptx(**tile, OPAQUE_V_CAST=True)
     assert "ld.shared.b8" not in opaque and "ld.shared.u8" not in opaque
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in opaque
     assert opaque.count("cvt.rn.f16x2.e4m3x2") > 0
@@ -462,3 +462,16 @@ def test_gpu_opaque_v_cast(q_len, heads, page_size, block_h, topk):
     r = _run_case(problem, Shape(batch, 2500 if topk else 5000), device="cuda", seq_lens=lens, params=params)
     assert params.opaque_v_cast and not r["nan"] and r["unseen_rows_ok"]
     assert r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
+
+
+def test_fp8_kernels_compile_from_sm89_as_the_registry_declares():
+    # Triton has e4m3 only from SM89: the registry's fp8_min_cc must say so (offline compile, no GPU)
+    from offline_compile import kernel_ptx
+
+    from mla_tune.backends.registry import BACKENDS
+
+    assert BACKENDS["TRITON_MLA"].capabilities.fp8_min_cc == (8, 9)
+    tile = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+    assert "mma.sync" in kernel_ptx(**tile, arch=89) and "mma.sync" in kernel_ptx(**tile, arch=80, fp8=False)
+    with pytest.raises(Exception, match="fp8e4nv not supported"):
+        kernel_ptx(**tile, arch=80)

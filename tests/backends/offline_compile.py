@@ -1,7 +1,7 @@
-"""Compile the stage-1 kernel for sm_90 on a machine without a GPU (Triton's bundled ptxas).
+"""Compile the stage-1 kernel for an NVIDIA GPU on a machine without one (Triton's bundled ptxas).
 
-Gives the PTX a Hopper would run, so CPU tests can check what Triton makes of a
-variant (which shared-memory loads feed the MMAs) without the device.
+Gives the PTX that GPU would run, so CPU tests can check what Triton makes of a
+variant (which shared-memory loads feed the MMAs) and what it refuses to compile.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ _POINTERS = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"
 _FLOATS = {"sm_scale_log2", "kv_scale", "q_scale"}
 
 
-def sm90_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, **flags) -> str:
-    """PTX of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
+def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
+               **flags) -> str:
+    """PTX for sm_`arch` of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
     const = dict(Q_LEN=1, PAGE_SIZE=64, D_LATENT=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=False,
                  KV_CAST=fp8, KV_SCALE_IS_PTR=False, DOT_UPCAST=False, SPLIT_D=True, RELOAD_V=False,
                  HOIST_PAGES=0, FP16_MATH=False, SPLIT_SCORES=False, OPAQUE_V_CAST=False, p_scratch_ptr=None)
@@ -35,6 +36,6 @@ def sm90_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8
             if name.startswith("stride") and name != "stride_qh":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(_mla_split_kernel, signature, constexprs=const, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     return compiled.asm["ptx"]
