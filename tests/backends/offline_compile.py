@@ -6,6 +6,8 @@ variant (which shared-memory loads feed the MMAs) and what it refuses to compile
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -20,9 +22,12 @@ _FLOATS = {"sm_scale_log2", "kv_scale", "q_scale"}
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
                **flags) -> str:
     """PTX for sm_`arch` of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
-    const = dict(Q_LEN=1, PAGE_SIZE=64, D_LATENT=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=False,
+    # constexprs without a value here take the kernel's defaults
+    const = {p.name: p.default for p in _mla_split_kernel.params
+             if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    const.update(Q_LEN=1, PAGE_SIZE=64, D_LATENT=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=False,
                  KV_CAST=fp8, KV_SCALE_IS_PTR=False, DOT_UPCAST=False, SPLIT_D=True, RELOAD_V=False,
-                 HOIST_PAGES=0, FP16_MATH=False, SPLIT_SCORES=False, OPAQUE_V_CAST=False, p_scratch_ptr=None)
+                 p_scratch_ptr=None)
     const.update(flags)
     signature, attrs = {}, {}
     for i, name in enumerate(_mla_split_kernel.arg_names):
