@@ -8,5 +8,5 @@ F="$OUT/gpu-suite-$1.txt"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sed 's/^/# gpu /'
   python3 -c "import torch, triton, flashinfer; print('# torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
 } > "$F"
-timeout 540 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ 2>&1 | tail -60 >> "$F"
+timeout 555 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ 2>&1 | tail -60 >> "$F"
 tail -5 "$F"
