@@ -419,10 +419,6 @@ def test_gpu_adapter_runs_inside_a_cuda_graph():
     assert _rel_err(out, ref_out) < FP8_TOL
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
-    _worker()
-
-
 def test_opaque_v_cast_needs_the_v_reload_and_fp16_math():
     from mla_tune.backends.triton_mla import LaunchParams
 
@@ -475,3 +471,7 @@ def test_fp8_kernels_compile_from_sm89_as_the_registry_declares():
     assert "mma.sync" in kernel_ptx(**tile, arch=89) and "mma.sync" in kernel_ptx(**tile, arch=80, fp8=False)
     with pytest.raises(Exception, match="fp8e4nv not supported"):
         kernel_ptx(**tile, arch=80)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
