@@ -470,27 +470,6 @@ VCAST_SMALL_CANDIDATES = {("fp8", 32): [(16, 32, 4, 2, True, 2, True, 64, 64, Tr
 VCAST_SMALL_SPARSE_SHAPES = {32: [(32, b, 32768, 2048) for b in (1, 4, 16)]}
 VCAST_SMALL_SPARSE_CANDIDATES = {("fp8", 32): [(16, 32, 4, 2, True, 2, True, 64, 0, True)]}
 
-# Round 9: the scores of the 64-row FP8 tiles by e4m3 wgmma on the tile as loaded (`fp8_qk`: each query row as an
-# (hi, lo) e4m3 pair, so no cast of K). Offline sm_90 compile (Triton 3.6.0): with 64-token tiles fp8_qk spills
-# 268 B (no reload) or needs 240 KB of shared memory (reload); with 32-token tiles and the V reload 160 KB, no
-# spills. The last candidate is the 32-token tile without fp8_qk, to tell the two changes apart.
-FP8QK_SHAPES = {64: [(64, b, kv) for b, kv in ((4, 16384), (16, 4096), (64, 4096), (128, 16384))],
-                128: [(128, b, kv) for b, kv in ((16, 4096), (64, 4096), (128, 16384))]}
-FP8QK_TILES = [(64, 64, 8, 2, True, 1, False, 64, 0, True, 0, False, False, True),
-               (64, 32, 8, 2, True, 1, True, 64, 0, True, 0, False, False, True),
-               (64, 32, 8, 2, True, 1, True, 64, 0, True, 0, False, True, True),
-               (64, 32, 8, 2, True, 1, True, 64, 0, True)]
-FP8QK_CANDIDATES = {("fp8", 64): FP8QK_TILES, ("fp8", 128): FP8QK_TILES}
-FP8QK_SPARSE_SHAPES = {h: [(h, b, 32768, 2048) for b in (16, 64, 128)] for h in (64, 128)}
-# After call 34 (every fp8_qk tile slower than the shipped one; at 32-token tiles fp8_qk 0.82-0.83 of the same tile
-# without it at batch 128 kv 16k): the (hi, lo) products in one accumulator chain (offline: spills 268 -> 120 B with
-# 64-token tiles), and the 64-token tiles with one stage, which leaves room for the V reload (139 KB, 16-24 B spilled).
-FP8QK2_TILES = [(64, 64, 8, 2, True, 1, False, 64, 0, True, 0, False, False, True),
-                (64, 64, 8, 1, True, 1, True, 64, 0, True, 0, False, True, True),
-                (64, 64, 8, 1, True, 1, True, 64, 0, True, 0, False, False, True),
-                (64, 64, 8, 1, True, 1, False, 64, 0, True)]
-FP8QK2_CANDIDATES = {("fp8", 64): FP8QK2_TILES, ("fp8", 128): FP8QK2_TILES}
-
 
 def hoist_compare(args, bw, mm, candidates=None, shapes=None, table="TILE_TABLE"):
     """Shipped tile (of launch.py's `table`) vs candidates per bucket; returns {(kind, bucket): winner tile}.
@@ -667,11 +646,7 @@ ROUNDS = {"hoist": (HOIST_CANDIDATES, HOIST_SHAPES), "splits": (SPLIT_CANDIDATES
           "vcast_split": (VCAST_SPLIT_CANDIDATES, VCAST_SPLIT_SHAPES),
           "vcast_split_sparse": (VCAST_SPLIT_SPARSE_CANDIDATES, VCAST_SPLIT_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
           "vcast_small": (VCAST_SMALL_CANDIDATES, VCAST_SMALL_SHAPES),
-          "vcast_small_sparse": (VCAST_SMALL_SPARSE_CANDIDATES, VCAST_SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-          "fp8qk": (FP8QK_CANDIDATES, FP8QK_SHAPES),
-          "fp8qk_sparse": (FP8QK_CANDIDATES, FP8QK_SPARSE_SHAPES, "SPARSE_TILE_TABLE"),
-          "fp8qk2": (FP8QK2_CANDIDATES, FP8QK_SHAPES),
-          "fp8qk2_sparse": (FP8QK2_CANDIDATES, FP8QK_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
+          "vcast_small_sparse": (VCAST_SMALL_SPARSE_CANDIDATES, VCAST_SMALL_SPARSE_SHAPES, "SPARSE_TILE_TABLE")}
 
 
 def main():

@@ -152,38 +152,6 @@ def _load_q(ptrs, row_ok, q_scale, FP16_MATH: tl.constexpr):
     return q
 
 
-Q_FP8_MAX = tl.constexpr(440.0)  # the largest |q / s| of FP8_QK, below e4m3's 448 so rounding never overflows
-
-
-@triton.jit
-def _round_to_4_bits(x):
-    """fp32 `x` rounded to 4 significant bits (to nearest, ties away), so its e4m3 conversion is exact.
-
-    Rounding here rather than in the conversion also sidesteps the Triton 3.7 interpreter,
-    whose fp32 -> e4m3 conversion drops the carry when rounding up crosses a power of two
-    (127.9 -> 64).
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x80000) & 0xFFF00000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_pair(q, inv_s):
-    """`q / s` as two e4m3 tensors `(hi, lo)` with `q / s ~ hi + lo` (FP8_QK).
-
-    `hi` keeps 4 significant bits and `lo` (at most 16, half an e4m3 step at 440) the
-    rounding residual of `hi` with 4 more, so the pair carries about as many bits as
-    bf16: relative error below 2^-9 per element, against e4m3's 2^-4, except for
-    elements under 1/1700 of the row's largest, whose residual falls into e4m3's
-    subnormals (absolute error below 2^-10, 2^-18 of the largest). Both halves share
-    one scale, so their products accumulate in one chain of MMAs.
-    """
-    x = q.to(tl.float32) * inv_s[:, None]
-    hi = _round_to_4_bits(x).to(tl.float8e4nv)
-    lo = _round_to_4_bits(x - hi.to(tl.float32)).to(tl.float8e4nv)
-    return hi, lo
-
-
 @triton.jit
 def _exchange(p, alpha, p_slot, a_slot, parity, INTERPRETED: tl.constexpr):
     """`p` and `alpha` through global memory and back (SPLIT_SCORES).
@@ -251,7 +219,6 @@ def _mla_split_kernel(
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
     p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
-    FP8_QK: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -315,19 +282,6 @@ def _mla_split_kernel(
         q1 = _load_q(q_row[:, None] + DC + offs_c[None, :], row_ok, q_scale, FP16_MATH)
         q2 = _load_q(q_row[:, None] + 2 * DC + offs_c[None, :], row_ok, q_scale, FP16_MATH)
         q3 = _load_q(q_row[:, None] + 3 * DC + offs_c[None, :], row_ok, q_scale, FP16_MATH)
-        if FP8_QK:
-            # The scores by e4m3 MMAs on the tile as loaded (no cast): each query row is
-            # scaled to |q / s| <= Q_FP8_MAX and split into an (hi, lo) e4m3 pair (`_fp8_pair`).
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0.to(tl.float32)), 1), tl.max(tl.abs(q1.to(tl.float32)), 1)),
-                              tl.maximum(tl.max(tl.abs(q2.to(tl.float32)), 1), tl.max(tl.abs(q3.to(tl.float32)), 1)))
-            amax = tl.maximum(amax, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
-            s_row = tl.where(amax > 0.0, amax / Q_FP8_MAX, 1.0)
-            inv_s = 1.0 / s_row
-            h0, l0 = _fp8_pair(q0, inv_s)
-            h1, l1 = _fp8_pair(q1, inv_s)
-            h2, l2 = _fp8_pair(q2, inv_s)
-            h3, l3 = _fp8_pair(q3, inv_s)
-            h_pe, l_pe = _fp8_pair(q_pe, inv_s)
         acc0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
@@ -347,27 +301,12 @@ def _mla_split_kernel(
                 pos, tok_ok, kv_row = _kv_rows(n0, c_end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
                                                stride_kvt, entries, slots, first, BLOCK_N, PAGE_SIZE,
                                                SPARSE, HOIST_PAGES)
-                K_CAST: tl.constexpr = KV_CAST and not FP8_QK
-                k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, K_CAST)
-                k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, K_CAST)
-                k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, K_CAST)
-                k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, K_CAST)
-                k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, K_CAST)
-                if FP8_QK:  # one chain: the lo products, then the hi products on top
-                    qk = _dot(l_pe, tl.trans(k_pe), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
-                    qk = _dot(l0, tl.trans(k0), qk, DOT_UPCAST)
-                    qk = _dot(l1, tl.trans(k1), qk, DOT_UPCAST)
-                    qk = _dot(l2, tl.trans(k2), qk, DOT_UPCAST)
-                    qk = _dot(l3, tl.trans(k3), qk, DOT_UPCAST)
-                    qk = _dot(h_pe, tl.trans(k_pe), qk, DOT_UPCAST)
-                    qk = _dot(h0, tl.trans(k0), qk, DOT_UPCAST)
-                    qk = _dot(h1, tl.trans(k1), qk, DOT_UPCAST)
-                    qk = _dot(h2, tl.trans(k2), qk, DOT_UPCAST)
-                    qk = _dot(h3, tl.trans(k3), qk, DOT_UPCAST)
-                    qk = qk * s_row[:, None]
-                    if not RELOAD_V:
-                        k0, k1, k2, k3 = k0.to(q0.dtype), k1.to(q0.dtype), k2.to(q0.dtype), k3.to(q0.dtype)
-                elif SPLIT_SCORES:  # five independent dots, so that no dot feeds another
+                k0 = _load_kv(kv_row, 0, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
+                k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
+                if SPLIT_SCORES:  # five independent dots, so that no dot feeds another
                     # (a zero Triton cannot prove zero, or it fuses the sum back into a dot chain)
                     zero = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32) + (n0 * 0.0)
                     qk = (_dot(q_pe, tl.trans(k_pe), zero, DOT_UPCAST) + _dot(q0, tl.trans(k0), zero, DOT_UPCAST)

@@ -35,8 +35,7 @@ D_ROPE = 64
 MAX_SPLITS = 64
 
 # The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+
-# (split_scores needs split_d; opaque_v_cast needs reload_v and fp16_math; fp8_qk needs split_d and
-# applies to FP8 KV only; FP8 KV needs SM89+).
+# (split_scores needs split_d; opaque_v_cast needs reload_v and fp16_math, and FP8 KV needs SM89+).
 PARAM_SPACE = {
     "block_h": (16, 32, 64),
     "block_n": (16, 32, 64),
@@ -51,7 +50,6 @@ PARAM_SPACE = {
     "max_regs": (0, 128, 168),
     "split_scores": (False, True),
     "opaque_v_cast": (False, True),
-    "fp8_qk": (False, True),
 }
 
 
@@ -81,8 +79,6 @@ class LaunchParams:
         opaque_v_cast: FP8 with `fp16_math` and `reload_v`: the V reload is cast to fp16 by an
             inline-asm `cvt` Triton cannot reorder, so V reaches the MMA through `ldmatrix.trans`
             on the fp16 tile instead of byte loads of the FP8 tile (see `_load_kv`).
-        fp8_qk: FP8 KV with `split_d`: the scores by e4m3 MMAs on the tile as loaded (no cast),
-            each query row split into two scaled e4m3 halves (`_fp8_pair`); `p @ v` unchanged.
     """
 
     block_h: int = 64
@@ -98,22 +94,19 @@ class LaunchParams:
     max_regs: int = 0
     split_scores: bool = False
     opaque_v_cast: bool = False
-    fp8_qk: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
             raise ValueError("split_scores needs split_d")
         if self.opaque_v_cast and not (self.reload_v and self.fp16_math):
             raise ValueError("opaque_v_cast needs reload_v and fp16_math")
-        if self.fp8_qk and not self.split_d:
-            raise ValueError("fp8_qk needs split_d")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
-                f"{'o' if self.opaque_v_cast else ''}{'q' if self.fp8_qk else ''}"
+                f"{'o' if self.opaque_v_cast else ''}"
                 f"x{self.num_splits}")
 
 
@@ -166,12 +159,11 @@ class Tile(NamedTuple):
     max_regs: int = 0
     split_scores: bool = False
     opaque_v_cast: bool = False
-    fp8_qk: bool = False
 
 
 # (KV kind, rows bucket) -> tile, a `Tile`'s fields in order: block_h, block_n, num_warps,
 # num_stages, split_d, per_sm, reload_v, min_split_tokens[, hoist_pages, fp16_math, max_regs,
-# split_scores, opaque_v_cast, fp8_qk]. Chosen from measurements on one
+# split_scores, opaque_v_cast]. Chosen from measurements on one
 # H100 with bench/triton_dev.py; bench/TRITON_NOTES.md has the numbers behind each entry.
 TILE_TABLE = {
     ("16bit", 16): (16, 32, 4, 2, True, 3, False, 64),
@@ -270,7 +262,7 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
                  split_d=t.split_d, reload_v=t.reload_v, hoist_pages=t.hoist_pages,
                  fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores,
-                 opaque_v_cast=t.opaque_v_cast, fp8_qk=t.fp8_qk)
+                 opaque_v_cast=t.opaque_v_cast)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
@@ -404,7 +396,6 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         HOIST_PAGES=params.hoist_pages,
         FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
         p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
-        FP8_QK=params.fp8_qk and kv_cast and kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=params.num_warps, num_stages=params.num_stages,
         **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),
     )

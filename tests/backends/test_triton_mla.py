@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -50,15 +49,6 @@ CPU_CASES = {
                                      (16, 16, 4, 2, 1, True, 0, False, 0, True), False, 3e4),
     "sparse_fp8_h3_fp16_math": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16, topk=24), (2, 40),
                                 None, (16, 16, 4, 2, 2, True, 0, True, 0, True), False),
-    # scores by e4m3 MMAs on the raw FP8 tile, query rows as (hi, lo) e4m3 pairs (fp8_qk): fp16 math with
-    # the V reload and several splits; bf16 math with the tile cast for V and queries of 3e4; sparse
-    "fp8_h5_fp8_qk_fp16_math_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (3, 90),
-                                       [1, 17, 90], (16, 32, 4, 2, 2, True, 0, True, 0, True, 0, False, False, True),
-                                       False),
-    "fp8_h3_fp8_qk_large_query": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 40), None,
-                                  (16, 16, 4, 2, 1, True, 0, False, 0, False, 0, False, False, True), True, 3e4),
-    "sparse_fp8_h3_fp8_qk": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16, topk=24), (2, 40), None,
-                             (16, 16, 4, 2, 2, True, 0, True, 0, True, 0, False, False, True), False),
     # scores split between warpgroups, p and alpha exchanged through the scratch (ragged, several splits)
     "bf16_h20_split_scores": (dict(num_heads=20, page_size=16), (4, 150), [1, 17, 150, 0],
                               (32, 16, 4, 2, 3, True, 0, False, 0, False, 0, True), False),
@@ -467,46 +457,6 @@ def test_gpu_opaque_v_cast(q_len, heads, page_size, block_h, topk):
     problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len, topk=topk)
     r = _run_case(problem, Shape(batch, 2500 if topk else 5000), device="cuda", seq_lens=lens, params=params)
     assert params.opaque_v_cast and not r["nan"] and r["unseen_rows_ok"]
-    assert r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
-
-
-def test_fp8_qk_needs_split_d():
-    from mla_tune.backends.triton_mla import LaunchParams
-
-    with pytest.raises(ValueError, match="fp8_qk needs split_d"):
-        LaunchParams(fp8_qk=True)
-    assert LaunchParams(split_d=True, fp8_qk=True).label().endswith("qx1")
-
-
-def test_fp8_qk_scores_by_e4m3_wgmma_on_sm90():
-    # offline sm_90 compile of a 64-row FP8 tile: the scores by e4m3 wgmma (K not cast), p @ v still in fp16
-    from offline_compile import kernel_ptx
-
-    tile = dict(block_h=64, block_n=32, num_warps=8, num_stages=2, RELOAD_V=True, FP16_MATH=True)
-    plain, fp8_qk = kernel_ptx(**tile), kernel_ptx(**tile, FP8_QK=True)
-    assert "f32.e4m3.e4m3" not in plain
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", fp8_qk)
-    assert fp8_qk.count(".f32.f16.f16") > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("q_len", [1, 2])
-@pytest.mark.parametrize("heads,page_size,topk", [(20, 16, None), (64, 64, None), (128, 128, None),
-                                                  (64, 1, 2048), (128, 64, 2048)])
-def test_gpu_fp8_qk(q_len, heads, page_size, topk):
-    # scores by e4m3 MMAs on the raw FP8 tile (fp8_qk): edge and ragged lengths, permuted pages, top-k
-    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile
-
-    tile = Tile(*(SPARSE_TILE_TABLE if topk else TILE_TABLE)[("fp8", 64)])
-    tile = tile._replace(block_n=32, reload_v=True, fp16_math=True, fp8_qk=True)
-    lens = None if topk else [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
-    batch = 6 if topk else len(lens)
-    params = params_from_tile(tile, rows=heads if topk else heads * q_len, q_len=q_len, batch=batch,
-                              max_items=topk or 5000, sparse=bool(topk), lengths=[topk] * batch if topk else lens,
-                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
-    problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len, topk=topk)
-    r = _run_case(problem, Shape(batch, 2500 if topk else 5000), device="cuda", seq_lens=lens, params=params)
-    assert params.fp8_qk and not r["nan"] and r["unseen_rows_ok"]
     assert r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
 
 
