@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 32: the official dense and sparse grids in one call on the final tables (one file each, no merged rows).
+# The official dense and sparse grids (device calls 32, 33 and 36) in one call on the final tables (one file each, no merged rows).
 # Usage (device root, after installing the wheels): OUT=dir bash bench/final_grid.sh NAME
 set -uo pipefail
 T0=$(date +%s)
