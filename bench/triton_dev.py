@@ -86,9 +86,9 @@ def measure_machine() -> tuple[float, float]:
 class Case:
     """One problem + shape with its input copies and float32 reference."""
 
-    def __init__(self, problem: Problem, shape: Shape):
+    def __init__(self, problem: Problem, shape: Shape, *, ragged: bool = True):
         self.problem, self.shape = problem, shape
-        base = make_inputs(problem, shape, device="cuda", seed=1)
+        base = make_inputs(problem, shape, device="cuda", seed=1, ragged=ragged)
         set_bytes = base.q.numel() * base.q.element_size() + base.kv_cache.numel() * base.kv_cache.element_size()
         copies = max(2, min(64, math.ceil(COLD_BYTES / set_bytes)))
         self.sets = [base] + [base.with_data(base.q.clone(), base.kv_cache.clone()) for _ in range(copies - 1)]

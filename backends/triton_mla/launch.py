@@ -30,6 +30,14 @@ import triton
 from mla_tune.backends.triton_mla.kernel import (
     LOG2E, Q_FP16_SCALE, _mla_combine_kernel, _mla_split_kernel, scratch_per_program)
 
+HOPPER_ROWS = 64
+HOPPER_MMA_WARPS = 8
+# The Hopper kernel's launch: 8 MMA warps + a 4-warp loader at `maxnreg` 168 registers (12 warps x 32 x 168
+# fits the SM's 64 Ki registers); `setmaxnreg` then gives the loader LOAD_REGS and the MMA warps the rest.
+HOPPER_MAXNREG = 168
+HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
+HOPPER_FP8_STAGES = 3
+
 D_LATENT = 512
 D_ROPE = 64
 MAX_SPLITS = 64
@@ -50,6 +58,7 @@ PARAM_SPACE = {
     "max_regs": (0, 128, 168),
     "split_scores": (False, True),
     "opaque_v_cast": (False, True),
+    "warp_specialized": (False, True),
 }
 
 
@@ -79,6 +88,10 @@ class LaunchParams:
         opaque_v_cast: FP8 with `fp16_math` and `reload_v`: the V reload is cast to fp16 by an
             inline-asm `cvt` Triton cannot reorder, so V reaches the MMA through `ldmatrix.trans`
             on the fp16 tile instead of byte loads of the FP8 tile (see `_load_kv`).
+        warp_specialized: run the Hopper kernel of `hopper.py` (SM90 only; 64 rows, 8 MMA warps
+            plus a loader warpgroup; `num_stages` is its ring of KV slots, and an FP8 cache is cast
+            by the loader). The `tl`-only fields (split_d, reload_v, hoist_pages, fp16_math,
+            max_regs, split_scores, opaque_v_cast) must stay at their defaults.
     """
 
     block_h: int = 64
@@ -94,19 +107,28 @@ class LaunchParams:
     max_regs: int = 0
     split_scores: bool = False
     opaque_v_cast: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
             raise ValueError("split_scores needs split_d")
         if self.opaque_v_cast and not (self.reload_v and self.fp16_math):
             raise ValueError("opaque_v_cast needs reload_v and fp16_math")
+        if self.warp_specialized:
+            tl_only = [name for name in ("split_d", "reload_v", "hoist_pages", "fp16_math", "max_regs",
+                                         "split_scores", "opaque_v_cast") if getattr(self, name)]
+            if tl_only:
+                raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
+            if (self.block_h, self.num_warps) != (HOPPER_ROWS, HOPPER_MMA_WARPS) or self.block_n not in (32, 64):
+                raise ValueError(f"warp_specialized needs block_h {HOPPER_ROWS}, num_warps {HOPPER_MMA_WARPS} "
+                                 f"and block_n 32 or 64, got {self.block_h}, {self.num_warps}, {self.block_n}")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
                 f"s{self.num_stages}{'d' if self.split_d else ''}{'r' if self.reload_v else ''}"
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
-                f"{'o' if self.opaque_v_cast else ''}"
+                f"{'o' if self.opaque_v_cast else ''}{'W' if self.warp_specialized else ''}"
                 f"x{self.num_splits}")
 
 
@@ -159,6 +181,7 @@ class Tile(NamedTuple):
     max_regs: int = 0
     split_scores: bool = False
     opaque_v_cast: bool = False
+    warp_specialized: bool = False
 
 
 # (KV kind, rows bucket) -> tile, a `Tile`'s fields in order: block_h, block_n, num_warps,
@@ -189,6 +212,14 @@ SPARSE_TILE_TABLE = {
     ("fp8", 32): (32, 32, 4, 2, True, 2, True, 32, 0, True, 0, False, True),
     ("fp8", 64): (64, 64, 8, 2, True, 1, False, 64, 0, True),
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
+}
+
+# The warp-specialised Hopper kernel (`hopper.py`), per KV kind: 64 rows, 8 MMA warps, a ring of
+# `num_stages` slots of `block_n` tokens (FP8: 32-token slots, so that the fp16 ring, the FP8 staging
+# ring and the 72 KiB query fit 227 KiB of shared memory), one program per SM.
+HOPPER_TILES = {
+    "16bit": Tile(64, 64, 8, 2, False, 1, False, 128, warp_specialized=True),
+    "fp8": Tile(64, 32, 8, 2, False, 1, False, 128, warp_specialized=True),
 }
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
@@ -262,7 +293,7 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
                  split_d=t.split_d, reload_v=t.reload_v, hoist_pages=t.hoist_pages,
                  fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores,
-                 opaque_v_cast=t.opaque_v_cast)
+                 opaque_v_cast=t.opaque_v_cast, warp_specialized=t.warp_specialized)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
@@ -379,26 +410,18 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 
     fp16_math = params.fp16_math and kv_cast and q.dtype == torch.bfloat16
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
-    compiled = _mla_split_kernel[(m_blocks, batch, splits)](
-        q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
-        o_dst, l_dst,
-        sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        *tk_strides,
-        *o_strides, *l_strides,
-        num_heads, topk, split_items,
-        Q_LEN=q_len, PAGE_SIZE=page_size, D_LATENT=D_LATENT, D_ROPE=D_ROPE,
-        BLOCK_H=params.block_h, BLOCK_N=params.block_n,
-        SPARSE=sparse, KV_CAST=kv_cast, KV_SCALE_IS_PTR=scale_is_ptr,
-        DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
-        HOIST_PAGES=params.hoist_pages,
-        FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
-        p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
-        num_warps=params.num_warps, num_stages=params.num_stages,
-        **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),
-    )
+    if params.warp_specialized:
+        compiled = _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst,
+                                  sm_scale=sm_scale, scale_value=scale_value, tk_strides=tk_strides,
+                                  o_strides=o_strides, l_strides=l_strides, topk=topk, split_items=split_items,
+                                  grid=(m_blocks, batch, splits), params=params, scale_is_ptr=scale_is_ptr,
+                                  sparse=sparse)
+    else:
+        compiled = _launch_tl(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst,
+                              sm_scale=sm_scale, scale_value=scale_value, tk_strides=tk_strides,
+                              o_strides=o_strides, l_strides=l_strides, topk=topk, split_items=split_items,
+                              grid=(m_blocks, batch, splits), params=params, scale_is_ptr=scale_is_ptr,
+                              fp16_math=fp16_math, workspace=workspace, sparse=sparse)
     if splits > 1:
         o_part, lse_part = workspace.o_part, workspace.lse_part
         _mla_combine_kernel[(q_len * num_heads, batch)](
@@ -411,3 +434,54 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             num_warps=4,
         )
     return compiled
+
+
+def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst, *, sm_scale, scale_value,
+                   tk_strides, o_strides, l_strides, topk, split_items, grid, params, scale_is_ptr, sparse):
+    """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`)."""
+    from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
+
+    if not q.is_cuda:
+        raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    return _mla_hopper_kernel[grid](
+        q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
+        o_dst, l_dst,
+        sm_scale * LOG2E, scale_value, Q_FP16_SCALE if kv_fp8 else 1.0,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        *tk_strides,
+        *o_strides, *l_strides,
+        q.shape[2], topk, split_items,
+        Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_N=params.block_n, STAGES=params.num_stages,
+        FP8_STAGES=HOPPER_FP8_STAGES, SPARSE=sparse, KV_FP8=kv_fp8,
+        KV_SCALE_IS_PTR=scale_is_ptr, LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"],
+        num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG,
+    )
+
+
+def _launch_tl(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst, *, sm_scale, scale_value,
+               tk_strides, o_strides, l_strides, topk, split_items, grid, params, scale_is_ptr, fp16_math,
+               workspace, sparse):
+    """Stage 1 on the `tl` kernel (`kernel.py`)."""
+    return _mla_split_kernel[grid](
+        q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
+        o_dst, l_dst,
+        sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        *tk_strides,
+        *o_strides, *l_strides,
+        q.shape[2], topk, split_items,
+        Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], D_LATENT=D_LATENT, D_ROPE=D_ROPE,
+        BLOCK_H=params.block_h, BLOCK_N=params.block_n,
+        SPARSE=sparse, KV_CAST=kv_cache.dtype != q.dtype, KV_SCALE_IS_PTR=scale_is_ptr,
+        DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
+        HOIST_PAGES=params.hoist_pages,
+        FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
+        p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
+        num_warps=params.num_warps, num_stages=params.num_stages,
+        **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),
+    )

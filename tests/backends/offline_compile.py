@@ -44,3 +44,46 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     return compiled.asm["ptx"]
+
+
+def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64,
+                   block_n: int = 64, stages: int = 2) -> tuple[str, int, str]:
+    """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
+    from mla_tune.backends.triton_mla.launch import (
+        HOPPER_FP8_STAGES, HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_MMA_WARPS)
+
+    fp8 = kv == "fp8"
+    const = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, FP8_STAGES=HOPPER_FP8_STAGES,
+                 SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
+                 LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"])
+    q_type = "*fp16" if kv == "fp16" else "*bf16"
+    pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
+    signature, attrs = {}, {}
+    for i, name in enumerate(_mla_hopper_kernel.arg_names):
+        if name in const:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in _FLOATS else "i32"
+            if name.startswith("stride") and name != "stride_qh":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": HOPPER_MMA_WARPS, "maxnreg": HOPPER_MAXNREG})
+    ptx = compiled.asm["ptx"]
+    ptxas = triton.backends.nvidia.__path__[0] + "/bin/ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                capture_output=True, text=True, check=True).stderr
+    return ptx, compiled.metadata.shared, report

@@ -1,0 +1,296 @@
+"""Warp-specialised absorbed-MLA decode for Hopper (SM90), written in Gluon (Triton's tile-level dialect).
+
+Why a second kernel: the `tl` kernel's 64-row tile (`kernel.py`) runs one 8-warp program per SM in
+which every warp issues the KV loads, waits for them at a CTA-wide barrier and then computes; Nsight
+Compute showed it latency- and barrier-bound at 47 % of the DRAM bandwidth (bench/TRITON_NOTES.md,
+"Profile of the shipped tiles"), and Triton 3.6's `tl` has no way to give loading and computing to
+different warps. Here they are different warps:
+
+- a loader warpgroup (4 warps, few registers) streams KV tiles into a ring of `STAGES` shared-memory
+  slots with `cp.async` (16 bytes a thread, rows gathered through the block table or the top-k list,
+  invalid rows zero-filled) and signals each slot on an mbarrier. With an FP8 cache it copies the raw
+  e4m3 rows into a staging ring, then casts them to fp16 into the MMA ring itself (each thread reads
+  back only the bytes it copied, so no barrier between copy and cast), so the cast never sits on the
+  MMA warps' path;
+- two MMA warpgroups (the default partition, 8 warps) keep the 64 query rows in shared memory and,
+  per tile, compute the scores with `wgmma` (each warpgroup half of the tile's tokens), the online
+  softmax (row max and sum across both halves), and `p @ v` (each warpgroup half of the 512 output
+  columns, p from registers), then hand the slot back.
+
+A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
+token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
+it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`.
+
+Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring
+(plus `FP8_STAGES x BLOCK_N x 576` for the FP8 staging ring): `hopper_smem_bytes` below; one program
+per SM.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+ROWS = gl.constexpr(64)        # query rows per program: one wgmma M block, shared by both MMA warpgroups
+MMA_WARPS = gl.constexpr(8)    # the default partition: two warpgroups
+LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
+
+
+def hopper_smem_bytes(*, block_n: int, stages: int, fp8_stages: int, kv_fp8: bool) -> int:
+    """Shared memory of one program (without Triton's few KiB of reduction scratch)."""
+    ring = stages * block_n * 576 * 2
+    staging = fp8_stages * block_n * 576 if kv_fp8 else 0
+    return ROWS.value * 576 * 2 + ring + staging
+
+
+@gluon.jit
+def _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+               layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr):
+    """Row pointers `[BLOCK_N]` of one tile in the paged cache (in `layout`'s rows) and their validity."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    in_range = offs < end
+    if SPARSE:
+        pos = gl.load(topk_row + offs, mask=in_range, other=-1)
+        ok = in_range & (pos >= 0) & (pos < seq_len)
+    else:
+        pos = offs
+        ok = in_range
+    page = gl.load(bt_row + pos // PAGE_SIZE, mask=ok, other=0)
+    row = kv_ptr + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
+    return row, ok
+
+
+@gluon.jit
+def _copy_tile(dst_lat, dst_rope, row, ok, lat_layout: gl.constexpr, rope_layout: gl.constexpr):
+    """Asynchronous copy of one tile's rows (zeros for invalid rows) into `dst_lat` / `dst_rope`."""
+    cols_lat = gl.arange(0, 512, layout=gl.SliceLayout(0, lat_layout))
+    row_lat = gl.convert_layout(row, gl.SliceLayout(1, lat_layout))
+    ok_lat = gl.convert_layout(ok, gl.SliceLayout(1, lat_layout))
+    async_copy.async_copy_global_to_shared(dst_lat, row_lat[:, None] + cols_lat[None, :], mask=ok_lat[:, None])
+    cols_rope = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
+    row_rope = gl.convert_layout(row, gl.SliceLayout(1, rope_layout))
+    ok_rope = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
+    async_copy.async_copy_global_to_shared(dst_rope, 512 + row_rope[:, None] + cols_rope[None, :],
+                                           mask=ok_rope[:, None])
+
+
+@gluon.jit
+def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                    k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
+                    PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr):
+    """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it."""
+    if KV_FP8:
+        # 16 e4m3 values (16 bytes) a thread; a warp copies one 512-byte latent row or eight rope rows.
+        lat_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LOAD_WARPS, 1], [1, 0])
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+        # Prologue: the first FP8_STAGES - 1 tiles in flight.
+        for j in gl.static_range(FP8_STAGES - 1):
+            row, ok = _tile_rows(start + j * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
+                                 stride_kvt, lat_layout, BLOCK_N, PAGE_SIZE, SPARSE)
+            if j < n_tiles:
+                _copy_tile(s_lat.index(j), s_rope.index(j), row, ok, lat_layout, rope_layout)
+            async_copy.commit_group()
+        for t in range(n_tiles):
+            ahead = t + FP8_STAGES - 1
+            if ahead < n_tiles:
+                row, ok = _tile_rows(start + ahead * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                                     stride_kvp, stride_kvt, lat_layout, BLOCK_N, PAGE_SIZE, SPARSE)
+                _copy_tile(s_lat.index(ahead % FP8_STAGES), s_rope.index(ahead % FP8_STAGES), row, ok,
+                           lat_layout, rope_layout)
+            async_copy.commit_group()
+            # This thread's copies of tile t have landed; it reads back exactly those bytes.
+            async_copy.wait_group(FP8_STAGES - 1)
+            src = t % FP8_STAGES
+            lat = s_lat.index(src).load(lat_layout).to(gl.float16)
+            rope = s_rope.index(src).load(rope_layout).to(gl.float16)
+            slot = t % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+            k_lat.index(slot).store(lat)
+            k_rope.index(slot).store(rope)
+            fence_async_shared()
+            mbarrier.arrive(full_bars.index(slot))
+    else:
+        # 8 16-bit values (16 bytes) a thread; a warp copies four 128-byte row segments at a time.
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+        for t in range(n_tiles):
+            row, ok = _tile_rows(start + t * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
+                                 stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+            slot = t % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+            _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout, layout)
+            async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars,
+                   topk_row, seq_len, start, n_tiles, end, visible_len, qk_scale, out_scale,
+                   o_ptrs, o_ok, lse_ptrs, lse_ok,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
+    """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    vis = gl.convert_layout(visible_len, rows_s)
+    acc = gl.zeros([ROWS, 512], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for t in range(n_tiles):
+        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_s)
+        if SPARSE:
+            pos = gl.load(topk_row + offs, mask=offs < end, other=-1)
+            ok = (offs < end) & (pos >= 0) & (pos < seq_len)
+        else:
+            pos = offs
+            ok = offs < end
+        slot = t % STAGES
+        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
+        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        kl = k_lat.index(slot)
+        s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        visible = ok[None, :] & (pos[None, :] < vis[:, None])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        acc = warpgroup_mma(p_op, kl, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(slot))
+
+    l_o = gl.convert_layout(l_i, rows_o)
+    inv_l = gl.where(l_o > 0.0, out_scale / gl.where(l_o > 0.0, l_o, 1.0), 0.0)
+    gl.store(o_ptrs, (acc * inv_l[:, None]).to(o_ptrs.dtype.element_ty), mask=o_ok)
+    lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    gl.store(lse_ptrs, gl.convert_layout(lse, lse_ptrs.type.layout), mask=lse_ok)
+
+
+@gluon.jit
+def _mla_hopper_kernel(
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
+    o_ptr, lse_ptr,
+    sm_scale_log2, kv_scale, q_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvp, stride_kvt,
+    stride_btb,
+    stride_tkb, stride_tkt,
+    stride_ob, stride_os, stride_ot, stride_oh,
+    stride_lb, stride_ls, stride_lt, stride_lh,
+    num_heads, topk, split_items,
+    Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    FP8_STAGES: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+
+    # Rows in a blocked layout for the query load and the output pointers.
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    if SPARSE:
+        head_blocks = gl.cdiv(num_heads, ROWS)
+        q_tok = pid_m // head_blocks
+        h = (pid_m % head_blocks) * ROWS + rows
+        qi = q_tok + rows * 0
+        row_ok = h < num_heads
+        n_items = topk
+        topk_row = topk_ptr + b.to(gl.int64) * stride_tkb + q_tok * stride_tkt
+    else:
+        r = pid_m * ROWS + rows
+        qi = r // num_heads
+        h = r % num_heads
+        row_ok = r < Q_LEN * num_heads
+        n_items = seq_len
+        topk_row = topk_ptr
+    visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
+
+    start = split * split_items
+    end = gl.minimum(start + split_items, n_items)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+    if KV_SCALE_IS_PTR:
+        kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
+    qk_scale = sm_scale_log2 * kv_scale
+    if KV_FP8:
+        qk_scale = qk_scale / q_scale  # the query was scaled by q_scale before its fp16 rounding
+
+    # The query into shared memory, once (FP8: scaled by q_scale, then rounded to fp16).
+    mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_lat = gl.allocate_shared_memory(mma_dtype, [ROWS, 512], smem_layout)
+    q_rope = gl.allocate_shared_memory(mma_dtype, [ROWS, 64], smem_layout)
+    q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
+    for c in gl.static_range(9):
+        qc = gl.load(q_row[:, None] + c * 64 + cols[None, :], mask=row_ok[:, None], other=0.0)
+        if KV_FP8:
+            qc = (qc.to(gl.float32) * q_scale).to(gl.float16)
+        if c < 8:
+            q_lat.slice(c * 64, 64, dim=1).store(qc)
+        else:
+            q_rope.store(qc)
+    fence_async_shared()
+
+    k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
+    k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
+    if KV_FP8:
+        stage_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        s_lat = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [FP8_STAGES, BLOCK_N, 512], stage_layout)
+        s_rope = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [FP8_STAGES, BLOCK_N, 64], stage_layout)
+    else:
+        s_lat = k_lat
+        s_rope = k_rope
+    full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # BF16: every loader thread arrives when its own copies land; FP8: one arrival after the cast.
+        mbarrier.init(full_bars.index(i), count=1 if KV_FP8 else LOAD_WARPS * 32)
+        mbarrier.init(empty_bars.index(i), count=1)
+
+    # Output pointers in the MMA accumulator's layout.
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
+    if SPARSE:
+        h_o = (pid_m % gl.cdiv(num_heads, ROWS)) * ROWS + rows_o
+        qi_o = pid_m // gl.cdiv(num_heads, ROWS) + rows_o * 0
+        ok_o = h_o < num_heads
+    else:
+        r_o = pid_m * ROWS + rows_o
+        qi_o = r_o // num_heads
+        h_o = r_o % num_heads
+        ok_o = r_o < Q_LEN * num_heads
+    ok_o = ok_o & ((start < n_items) | (split == 0))
+    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
+    o_ptrs = o_row[:, None] + cols_o[None, :]
+    o_ok = ok_o[:, None] & (cols_o[None, :] < 512)
+    lse_ptrs = lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh
+    bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
+
+    gl.warp_specialize([
+        (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars,
+                          topk_row, seq_len, start, n_tiles, end, visible_len, qk_scale, kv_scale,
+                          o_ptrs, o_ok, lse_ptrs, row_ok, BLOCK_N, STAGES, SPARSE)),
+        (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                           k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
+                           BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8)),
+    ], [LOAD_WARPS], [LOAD_REGS])

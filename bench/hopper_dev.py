@@ -1,0 +1,110 @@
+"""Warp-specialised Hopper kernel (`backends/triton_mla/hopper.py`) against the shipped `tl` tiles.
+
+Same process, same inputs (uniform lengths, as in the official grid, unless --ragged), every output
+checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies, bench/triton_dev.py).
+Each candidate is a `Tile` with `warp_specialized=True`; its splits come from the same split model as the
+shipped tiles (`params_from_tile` with the real lengths). Prints one line per (shape, kernel) and, per
+candidate, the geometric mean of its time over the shipped kernel's, with the worst shape.
+
+    python3 bench/hopper_dev.py --out bench/results/hopper_ab_h100.txt
+    python3 bench/hopper_dev.py --kv bf16 --heads 64 --candidates 16bit:64x2,16bit:64x3 --fa3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import triton_dev  # noqa: E402
+from triton_dev import Case, check_and_time, fmt_line, log, measure_machine  # noqa: E402
+
+from mla_tune.backends.problem import Problem, Shape  # noqa: E402
+from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
+from mla_tune.backends.triton_mla.launch import HOPPER_TILES, params_from_tile  # noqa: E402
+
+DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
+SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
+
+
+def candidate(spec: str):
+    """'16bit:64x2' or 'fp8:32x3m256' -> (kind, Tile): block_n x ring slots [m min_split_tokens]."""
+    kind, rest = spec.split(":")
+    block_n, rest = rest.split("x")
+    stages, _, min_split = rest.partition("m")
+    tile = HOPPER_TILES[kind]._replace(block_n=int(block_n), num_stages=int(stages))
+    if min_split:
+        tile = tile._replace(min_split_tokens=int(min_split))
+    return kind, tile
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", default="bf16,fp8_e4m3")
+    ap.add_argument("--heads", default="16,32,64,128")
+    ap.add_argument("--candidates", default="16bit:64x2,fp8:32x2")
+    ap.add_argument("--dense-only", action="store_true")
+    ap.add_argument("--sparse-only", action="store_true")
+    ap.add_argument("--ragged", action="store_true")
+    ap.add_argument("--fa3", action="store_true", help="also time FlashInfer FA3 (JIT on first use)")
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    triton_dev.RESULT_FILE = args.out
+    log(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {__import__('triton').__version__}")
+    log(f"# {' '.join(sys.argv)}")
+    bw, mm = measure_machine()
+    log(f"# copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    cands = [candidate(c) for c in args.candidates.split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = []
+    for kv in args.kv.split(","):
+        for heads in (int(h) for h in args.heads.split(",")):
+            if not args.sparse_only:
+                shapes += [(kv, heads, b, n, None) for b, n in DENSE_SHAPES]
+            if not args.dense_only:
+                shapes += [(kv, heads, b, n, 2048) for b, n in SPARSE_SHAPES]
+    ratios = {c: [] for c in range(len(cands))}
+    t0 = time.time()
+    for kv, heads, batch, kv_len, topk in shapes:
+        if time.time() - t0 > args.budget_s:
+            log("# budget reached")
+            break
+        kind = "fp8" if kv == "fp8_e4m3" else "16bit"
+        case = Case(Problem(heads, kv, page_size=64, topk=topk), Shape(batch, kv_len), ragged=args.ragged)
+        roof = case.roofline_us(bw, mm)
+        adapter_cls = TritonMLASparse if topk else TritonMLA
+        base = check_and_time(case, adapter_cls())
+        log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
+        for i, (ckind, tile) in enumerate(cands):
+            if ckind != kind:
+                continue
+            params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
+                                      num_sms=sms, sparse=bool(topk), lengths=case.lengths)
+            r = check_and_time(case, adapter_cls(params))
+            tag = ""
+            if r["status"] == "ok" and base["status"] == "ok":
+                ratios[i].append((r["us"] / base["us"], case.label()))
+                tag = f"x{r['us'] / base['us']:.3f}"
+            log(fmt_line(case, "ws " + params.label(), r, roof, tag))
+        if args.fa3:
+            from mla_tune.backends.flashinfer_mla import FlashInferFA3, FlashInferFA3Sparse
+            r = check_and_time(case, (FlashInferFA3Sparse if topk else FlashInferFA3)())
+            log(fmt_line(case, "fa3", r, roof))
+        case.free()
+    for i, (kind, tile) in enumerate(cands):
+        rs = ratios[i]
+        if rs:
+            gm = math.exp(sum(math.log(x) for x, _ in rs) / len(rs))
+            worst = max(rs)
+            log(f"# {kind} {tuple(tile)}: time / shipped geomean {gm:.3f} over {len(rs)} shapes, "
+                f"best {min(rs)[0]:.3f}, worst {worst[0]:.3f} ({worst[1]})")
+
+
+if __name__ == "__main__":
+    main()
