@@ -4,7 +4,7 @@
 # Usage (device root): OUT=dir NAME=h100-call37 AB_ARGS="..." TEST_K="..." bash bench/hopper_call.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
-export PYTHONPATH=$PWD/.site:$PYTHONPATH
+export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
 NAME=${NAME:-h100}
