@@ -33,11 +33,13 @@ SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
 
 
 def candidate(spec: str):
-    """'16bit:64x2' or 'fp8:32x3m256' -> (kind, Tile): block_n x ring slots [m min_split_tokens]."""
+    """'16bit:64x2', 'fp8:32x2d' or 'fp8:32x3m256' -> (kind, Tile): block_n x ring slots, 'd' for duplicated
+    scores (two independent MMA warpgroups) instead of split ones, [m min_split_tokens]."""
     kind, rest = spec.split(":")
     block_n, rest = rest.split("x")
-    stages, _, min_split = rest.partition("m")
-    tile = HOPPER_TILES[kind]._replace(block_n=int(block_n), num_stages=int(stages))
+    dup = "d" in rest
+    stages, _, min_split = rest.replace("d", "").partition("m")
+    tile = HOPPER_TILES[kind]._replace(block_n=int(block_n), num_stages=int(stages), split_scores=not dup)
     if min_split:
         tile = tile._replace(min_split_tokens=int(min_split))
     return kind, tile
@@ -47,7 +49,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
-    ap.add_argument("--candidates", default="16bit:64x2,fp8:32x2")
+    ap.add_argument("--candidates", default="16bit:64x2,16bit:64x2d,fp8:32x2,fp8:32x2d")
     ap.add_argument("--dense-only", action="store_true")
     ap.add_argument("--sparse-only", action="store_true")
     ap.add_argument("--ragged", action="store_true")

@@ -8,22 +8,25 @@ different warps. Here they are different warps:
 
 - a loader warpgroup (4 warps, few registers) streams KV tiles into a ring of `STAGES` shared-memory
   slots with `cp.async` (16 bytes a thread, rows gathered through the block table or the top-k list,
-  invalid rows zero-filled) and signals each slot on an mbarrier. With an FP8 cache it copies the raw
+  invalid rows zero-filled) and signals each slot on an mbarrier. Row pointers are computed a tile
+  ahead, so the block-table (and top-k) loads stay off its path. With an FP8 cache it copies the raw
   e4m3 rows into a staging ring, then casts them to fp16 into the MMA ring itself (each thread reads
-  back only the bytes it copied, so no barrier between copy and cast), so the cast never sits on the
-  MMA warps' path;
-- two MMA warpgroups (the default partition, 8 warps) keep the 64 query rows in shared memory and,
-  per tile, compute the scores with `wgmma` (each warpgroup half of the tile's tokens), the online
-  softmax (row max and sum across both halves), and `p @ v` (each warpgroup half of the 512 output
-  columns, p from registers), then hand the slot back.
+  back only the bytes it copied), so the cast never sits on the MMA warps' path;
+- two MMA warpgroups hold the 64 query rows in shared memory and, per tile, compute the scores with
+  `wgmma`, the online softmax and `p @ v` (p from registers, each warpgroup 256 of the 512 output
+  columns), then hand the slot back. Two ways to share the scores (`SPLIT_S`):
+  - split (one 8-warp partition): each warpgroup scores half the tile's tokens; the row max and sum
+    and `p` cross between the warpgroups through shared memory (Triton's reductions and layout
+    conversions, with partition barriers);
+  - duplicated (two 4-warp partitions): each warpgroup scores the whole tile itself (twice the score
+    MMAs), so the warpgroups never wait for each other.
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
 it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`.
 
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring
-(plus `FP8_STAGES x BLOCK_N x 576` for the FP8 staging ring): `hopper_smem_bytes` below; one program
-per SM.
+(plus `FP8_STAGES x BLOCK_N x 576` for the FP8 staging ring): `hopper_smem_bytes`; one program per SM.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 ROWS = gl.constexpr(64)        # query rows per program: one wgmma M block, shared by both MMA warpgroups
-MMA_WARPS = gl.constexpr(8)    # the default partition: two warpgroups
 LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 
 
@@ -43,6 +45,23 @@ def hopper_smem_bytes(*, block_n: int, stages: int, fp8_stages: int, kv_fp8: boo
     ring = stages * block_n * 576 * 2
     staging = fp8_stages * block_n * 576 if kv_fp8 else 0
     return ROWS.value * 576 * 2 + ring + staging
+
+
+@gluon.jit
+def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr):
+    """(query token, head, valid) of the program's 64 rows, in `layout`."""
+    rows = gl.arange(0, ROWS, layout=layout)
+    if SPARSE:
+        head_blocks = gl.cdiv(num_heads, ROWS)
+        h = (pid_m % head_blocks) * ROWS + rows
+        qi = pid_m // head_blocks + rows * 0
+        ok = h < num_heads
+    else:
+        r = pid_m * ROWS + rows
+        qi = r // num_heads
+        h = r % num_heads
+        ok = r < Q_LEN * num_heads
+    return qi, h, ok
 
 
 @gluon.jit
@@ -63,17 +82,15 @@ def _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kv
 
 
 @gluon.jit
-def _copy_tile(dst_lat, dst_rope, row, ok, lat_layout: gl.constexpr, rope_layout: gl.constexpr):
-    """Asynchronous copy of one tile's rows (zeros for invalid rows) into `dst_lat` / `dst_rope`."""
-    cols_lat = gl.arange(0, 512, layout=gl.SliceLayout(0, lat_layout))
-    row_lat = gl.convert_layout(row, gl.SliceLayout(1, lat_layout))
-    ok_lat = gl.convert_layout(ok, gl.SliceLayout(1, lat_layout))
-    async_copy.async_copy_global_to_shared(dst_lat, row_lat[:, None] + cols_lat[None, :], mask=ok_lat[:, None])
-    cols_rope = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
-    row_rope = gl.convert_layout(row, gl.SliceLayout(1, rope_layout))
-    ok_rope = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
-    async_copy.async_copy_global_to_shared(dst_rope, 512 + row_rope[:, None] + cols_rope[None, :],
-                                           mask=ok_rope[:, None])
+def _copy_tile(dst_lat, dst_rope, row, ok, layout: gl.constexpr):
+    """Asynchronous copy of one tile's rows (zeros for invalid rows) into `dst_lat` / `dst_rope`.
+
+    One layout for both parts, so each thread copies the same rows of both (no layout conversion).
+    """
+    cols_lat = gl.arange(0, 512, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(dst_lat, row[:, None] + cols_lat[None, :], mask=ok[:, None])
+    cols_rope = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(dst_rope, 512 + row[:, None] + cols_rope[None, :], mask=ok[:, None])
 
 
 @gluon.jit
@@ -83,29 +100,30 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                     PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr):
     """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it."""
     if KV_FP8:
-        # 16 e4m3 values (16 bytes) a thread; a warp copies one 512-byte latent row or eight rope rows.
-        lat_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LOAD_WARPS, 1], [1, 0])
-        rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+        # 16 e4m3 values (16 bytes) a thread, four threads a 64-byte row segment, one row a thread
+        # (at 32 rows): the latent part is 8 segments, the rope part one.
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+        row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+                             layout, BLOCK_N, PAGE_SIZE, SPARSE)
         # Prologue: the first FP8_STAGES - 1 tiles in flight.
         for j in gl.static_range(FP8_STAGES - 1):
-            row, ok = _tile_rows(start + j * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                 stride_kvt, lat_layout, BLOCK_N, PAGE_SIZE, SPARSE)
             if j < n_tiles:
-                _copy_tile(s_lat.index(j), s_rope.index(j), row, ok, lat_layout, rope_layout)
+                _copy_tile(s_lat.index(j), s_rope.index(j), row, ok, layout)
             async_copy.commit_group()
+            row, ok = _tile_rows(start + (j + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         for t in range(n_tiles):
             ahead = t + FP8_STAGES - 1
             if ahead < n_tiles:
-                row, ok = _tile_rows(start + ahead * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                     stride_kvp, stride_kvt, lat_layout, BLOCK_N, PAGE_SIZE, SPARSE)
-                _copy_tile(s_lat.index(ahead % FP8_STAGES), s_rope.index(ahead % FP8_STAGES), row, ok,
-                           lat_layout, rope_layout)
+                _copy_tile(s_lat.index(ahead % FP8_STAGES), s_rope.index(ahead % FP8_STAGES), row, ok, layout)
             async_copy.commit_group()
+            row, ok = _tile_rows(start + (ahead + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
             # This thread's copies of tile t have landed; it reads back exactly those bytes.
             async_copy.wait_group(FP8_STAGES - 1)
             src = t % FP8_STAGES
-            lat = s_lat.index(src).load(lat_layout).to(gl.float16)
-            rope = s_rope.index(src).load(rope_layout).to(gl.float16)
+            lat = s_lat.index(src).load(layout).to(gl.float16)
+            rope = s_rope.index(src).load(layout).to(gl.float16)
             slot = t % STAGES
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
             k_lat.index(slot).store(lat)
@@ -115,32 +133,43 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     else:
         # 8 16-bit values (16 bytes) a thread; a warp copies four 128-byte row segments at a time.
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+        row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+                             layout, BLOCK_N, PAGE_SIZE, SPARSE)
         for t in range(n_tiles):
-            row, ok = _tile_rows(start + t * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                                 stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
             slot = t % STAGES
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-            _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout, layout)
+            _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout)
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
+            row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
 
 
 @gluon.jit
-def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars,
-                   topk_row, seq_len, start, n_tiles, end, visible_len, qk_scale, out_scale,
-                   o_ptrs, o_ok, lse_ptrs, lse_ok,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr):
-    """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                   pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
+                   stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
+                   SPLIT_S: gl.constexpr, HALF: gl.constexpr):
+    """MMA warps: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
+
+    SPLIT_S: both warpgroups (8 warps) together, each scoring half the tokens. Otherwise one warpgroup
+    (4 warps) that scores every token itself and owns output columns `[256 HALF, 256 HALF + 256)`.
+    """
+    GROUPS: gl.constexpr = 2 if SPLIT_S else 1
+    O_COLS: gl.constexpr = 512 if SPLIT_S else 256
+    S_N: gl.constexpr = BLOCK_N // 2 if SPLIT_S else BLOCK_N  # score columns per warpgroup
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                       instr_shape=[16, S_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
                                                        instr_shape=[16, 256, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    vis = gl.convert_layout(visible_len, rows_s)
-    acc = gl.zeros([ROWS, 512], gl.float32, o_layout)
+    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+    visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
+    acc = gl.zeros([ROWS, O_COLS], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -159,7 +188,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars,
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[None, :] & (pos[None, :] < vis[:, None])
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
         s = gl.where(visible, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -169,16 +198,28 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars,
         m_i = m_new
         p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        acc = warpgroup_mma(p_op, kl, acc, is_async=True)
+        if SPLIT_S:
+            v = kl
+        else:
+            v = kl.slice(HALF * 256, 256, dim=1)
+        acc = warpgroup_mma(p_op, v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
 
+    # Epilogue: the partial (or final) output and, from the first warpgroup, the LSE.
+    qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
+    cols_o = HALF * 256 + gl.arange(0, O_COLS, layout=gl.SliceLayout(0, o_layout))
+    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
     l_o = gl.convert_layout(l_i, rows_o)
     inv_l = gl.where(l_o > 0.0, out_scale / gl.where(l_o > 0.0, l_o, 1.0), 0.0)
-    gl.store(o_ptrs, (acc * inv_l[:, None]).to(o_ptrs.dtype.element_ty), mask=o_ok)
-    lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    gl.store(lse_ptrs, gl.convert_layout(lse, lse_ptrs.type.layout), mask=lse_ok)
+    gl.store(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=(ok_o & store_o)[:, None] & (cols_o[None, :] < 512))
+    if HALF == 0:
+        qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+        lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
+                 lse, mask=ok_l)
 
 
 @gluon.jit
@@ -195,36 +236,23 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     FP8_STAGES: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr,
-    LOAD_REGS: gl.constexpr,
+    SPLIT_S: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
     seq_len = gl.load(seq_lens_ptr + b)
-
-    # Rows in a blocked layout for the query load and the output pointers.
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [MMA_WARPS, 1], [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
     if SPARSE:
-        head_blocks = gl.cdiv(num_heads, ROWS)
-        q_tok = pid_m // head_blocks
-        h = (pid_m % head_blocks) * ROWS + rows
-        qi = q_tok + rows * 0
-        row_ok = h < num_heads
         n_items = topk
-        topk_row = topk_ptr + b.to(gl.int64) * stride_tkb + q_tok * stride_tkt
+        topk_row = topk_ptr + b.to(gl.int64) * stride_tkb + (pid_m // gl.cdiv(num_heads, ROWS)) * stride_tkt
     else:
-        r = pid_m * ROWS + rows
-        qi = r // num_heads
-        h = r % num_heads
-        row_ok = r < Q_LEN * num_heads
         n_items = seq_len
         topk_row = topk_ptr
-    visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
-
     start = split * split_items
     end = gl.minimum(start + split_items, n_items)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    # Split 0 always stores (zeros, lse -inf for an empty request); other empty splits store only lse.
+    store_o = (start < n_items) | (split == 0)
 
     if KV_SCALE_IS_PTR:
         kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
@@ -237,6 +265,8 @@ def _mla_hopper_kernel(
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_lat = gl.allocate_shared_memory(mma_dtype, [ROWS, 512], smem_layout)
     q_rope = gl.allocate_shared_memory(mma_dtype, [ROWS, 64], smem_layout)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, q_layout), Q_LEN, SPARSE)
     q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
     for c in gl.static_range(9):
@@ -263,34 +293,33 @@ def _mla_hopper_kernel(
     for i in gl.static_range(STAGES):
         # BF16: every loader thread arrives when its own copies land; FP8: one arrival after the cast.
         mbarrier.init(full_bars.index(i), count=1 if KV_FP8 else LOAD_WARPS * 32)
-        mbarrier.init(empty_bars.index(i), count=1)
+        # Each MMA partition hands the slot back once.
+        mbarrier.init(empty_bars.index(i), count=1 if SPLIT_S else 2)
 
-    # Output pointers in the MMA accumulator's layout.
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
-    if SPARSE:
-        h_o = (pid_m % gl.cdiv(num_heads, ROWS)) * ROWS + rows_o
-        qi_o = pid_m // gl.cdiv(num_heads, ROWS) + rows_o * 0
-        ok_o = h_o < num_heads
-    else:
-        r_o = pid_m * ROWS + rows_o
-        qi_o = r_o // num_heads
-        h_o = r_o % num_heads
-        ok_o = r_o < Q_LEN * num_heads
-    ok_o = ok_o & ((start < n_items) | (split == 0))
-    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
-    o_ptrs = o_row[:, None] + cols_o[None, :]
-    o_ok = ok_o[:, None] & (cols_o[None, :] < 512)
-    lse_ptrs = lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
-
-    gl.warp_specialize([
-        (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars,
-                          topk_row, seq_len, start, n_tiles, end, visible_len, qk_scale, kv_scale,
-                          o_ptrs, o_ok, lse_ptrs, row_ok, BLOCK_N, STAGES, SPARSE)),
-        (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                           k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
-                           BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8)),
-    ], [LOAD_WARPS], [LOAD_REGS])
+    # (Argument tuples are written out in each call: a tuple bound to a name loses its constexprs.)
+    if SPLIT_S:
+        gl.warp_specialize([
+            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
+                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, True, 0)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
+                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8))], [LOAD_WARPS], [LOAD_REGS])
+    else:
+        # The loader is the default partition here: the MMA warpgroups, as workers, get their arguments
+        # through shared memory; as the default partition one would keep them live and spill.
+        gl.warp_specialize([
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
+                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8)),
+            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
+                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 0)),
+            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
+                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 1))],
+            [4, 4], [MMA_REGS, MMA_REGS])

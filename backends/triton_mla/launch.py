@@ -90,8 +90,10 @@ class LaunchParams:
             on the fp16 tile instead of byte loads of the FP8 tile (see `_load_kv`).
         warp_specialized: run the Hopper kernel of `hopper.py` (SM90 only; 64 rows, 8 MMA warps
             plus a loader warpgroup; `num_stages` is its ring of KV slots, and an FP8 cache is cast
-            by the loader). The `tl`-only fields (split_d, reload_v, hoist_pages, fp16_math,
-            max_regs, split_scores, opaque_v_cast) must stay at their defaults.
+            by the loader; `split_scores` there means the two MMA warpgroups score half the tile
+            each and exchange the softmax through shared memory, otherwise each scores all of it).
+            The `tl`-only fields (split_d, reload_v, hoist_pages, fp16_math, max_regs,
+            opaque_v_cast) must stay at their defaults.
     """
 
     block_h: int = 64
@@ -110,13 +112,13 @@ class LaunchParams:
     warp_specialized: bool = False
 
     def __post_init__(self):
-        if self.split_scores and not self.split_d:
+        if self.split_scores and not (self.split_d or self.warp_specialized):
             raise ValueError("split_scores needs split_d")
         if self.opaque_v_cast and not (self.reload_v and self.fp16_math):
             raise ValueError("opaque_v_cast needs reload_v and fp16_math")
         if self.warp_specialized:
             tl_only = [name for name in ("split_d", "reload_v", "hoist_pages", "fp16_math", "max_regs",
-                                         "split_scores", "opaque_v_cast") if getattr(self, name)]
+                                         "opaque_v_cast") if getattr(self, name)]
             if tl_only:
                 raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
             if (self.block_h, self.num_warps) != (HOPPER_ROWS, HOPPER_MMA_WARPS) or self.block_n not in (32, 64):
@@ -218,8 +220,8 @@ SPARSE_TILE_TABLE = {
 # `num_stages` slots of `block_n` tokens (FP8: 32-token slots, so that the fp16 ring, the FP8 staging
 # ring and the 72 KiB query fit 227 KiB of shared memory), one program per SM.
 HOPPER_TILES = {
-    "16bit": Tile(64, 64, 8, 2, False, 1, False, 128, warp_specialized=True),
-    "fp8": Tile(64, 32, 8, 2, False, 1, False, 128, warp_specialized=True),
+    "16bit": Tile(64, 64, 8, 2, False, 1, False, 128, split_scores=True, warp_specialized=True),
+    "fp8": Tile(64, 32, 8, 2, False, 1, False, 128, split_scores=True, warp_specialized=True),
 }
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
@@ -444,6 +446,10 @@ def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_ds
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
+    # The two-partition form's MMA warpgroups are workers; the loader, its default partition, gets what
+    # they leave of the 12 warps' registers (at least `load_regs`).
+    mma_regs = (HOPPER_MAXNREG * 12 // 4 - load_regs) // 2 // 8 * 8
     return _mla_hopper_kernel[grid](
         q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
         o_dst, l_dst,
@@ -456,8 +462,8 @@ def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_ds
         q.shape[2], topk, split_items,
         Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_N=params.block_n, STAGES=params.num_stages,
         FP8_STAGES=HOPPER_FP8_STAGES, SPARSE=sparse, KV_FP8=kv_fp8,
-        KV_SCALE_IS_PTR=scale_is_ptr, LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"],
-        num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG,
+        KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_S=params.split_scores, MMA_REGS=mma_regs, LOAD_REGS=load_regs,
+        num_warps=HOPPER_MMA_WARPS if params.split_scores else HOPPER_MMA_WARPS // 2, maxnreg=HOPPER_MAXNREG,
     )
 
 
