@@ -26,10 +26,13 @@ from triton_dev import Case, check_and_time, fmt_line, log, measure_machine  # n
 
 from mla_tune.backends.problem import Problem, Shape  # noqa: E402
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
+from mla_tune.backends.triton_mla import hopper  # noqa: E402
+from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
 from mla_tune.backends.triton_mla.launch import HOPPER_TILES, params_from_tile  # noqa: E402
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
+SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (128, 16384)], [(128, 32768)])}
 
 
 def candidate(spec: str):
@@ -45,15 +48,32 @@ def candidate(spec: str):
     return kind, tile
 
 
+def debug_time(case, adapter, mode: str) -> dict:
+    """Time `adapter` in measurement mode `mode` of hopper.py (outputs are not meaningful, so not checked)."""
+    hopper.DEBUG_MODE = DEBUG_MODES[mode]
+    try:
+        prepared = adapter.prepare(case.problem, case.sets[0])
+        med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
+        return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi, "info": f" debug {mode}"}
+    except Exception as exc:  # a failure is data
+        return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        hopper.DEBUG_MODE = 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
-    ap.add_argument("--candidates", default="16bit:64x2,16bit:64x2d,fp8:32x2,fp8:32x2d")
+    ap.add_argument("--candidates", default="16bit:64x2,16bit:32x4,fp8:32x2,fp8:64x2")
     ap.add_argument("--dense-only", action="store_true")
     ap.add_argument("--sparse-only", action="store_true")
     ap.add_argument("--ragged", action="store_true")
+    ap.add_argument("--shapes", default="default", choices=sorted(SHAPE_SETS))
     ap.add_argument("--fa3", action="store_true", help="also time FlashInfer FA3 (JIT on first use)")
+    ap.add_argument("--debug", default=None, choices=sorted(DEBUG_MODES),
+                    help="time the candidates in a measurement mode of hopper.py (no correctness check: "
+                         "those modes compute nothing meaningful)")
     ap.add_argument("--budget-s", type=float, default=500.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -67,10 +87,11 @@ def main():
     shapes = []
     for kv in args.kv.split(","):
         for heads in (int(h) for h in args.heads.split(",")):
+            dense, sparse = SHAPE_SETS[args.shapes]
             if not args.sparse_only:
-                shapes += [(kv, heads, b, n, None) for b, n in DENSE_SHAPES]
+                shapes += [(kv, heads, b, n, None) for b, n in dense]
             if not args.dense_only:
-                shapes += [(kv, heads, b, n, 2048) for b, n in SPARSE_SHAPES]
+                shapes += [(kv, heads, b, n, 2048) for b, n in sparse]
     ratios = {c: [] for c in range(len(cands))}
     t0 = time.time()
     for kv, heads, batch, kv_len, topk in shapes:
@@ -88,7 +109,8 @@ def main():
                 continue
             params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
                                       num_sms=sms, sparse=bool(topk), lengths=case.lengths)
-            r = check_and_time(case, adapter_cls(params))
+            r = debug_time(case, adapter_cls(params), args.debug) if args.debug else check_and_time(
+                case, adapter_cls(params))
             tag = ""
             if r["status"] == "ok" and base["status"] == "ok":
                 ratios[i].append((r["us"] / base["us"], case.label()))

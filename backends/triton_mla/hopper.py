@@ -27,6 +27,8 @@ it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`
 
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring
 (plus `FP8_STAGES x BLOCK_N x 576` for the FP8 staging ring): `hopper_smem_bytes`; one program per SM.
+An FP8 ring of two 64-token slots leaves no room for a staging ring (`FP8_STAGES` 0): the loader then
+loads each tile's e4m3 bytes into its registers a tile ahead and casts them from there.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 ROWS = gl.constexpr(64)        # query rows per program: one wgmma M block, shared by both MMA warpgroups
 LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
+
+# Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
+# back), 2 = the MMA warps alone (the loader copies nothing), 3 = no row max / row sum across the
+# warpgroups (wrong results). 0 in production.
+DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
+DEBUG_MODE = 0
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, fp8_stages: int, kv_fp8: bool) -> int:
@@ -94,12 +102,47 @@ def _copy_tile(dst_lat, dst_rope, row, ok, layout: gl.constexpr):
 
 
 @gluon.jit
+def _load_chunks(row, ok, cols):
+    """One tile's rows as nine `[rows, 64]` register chunks (eight latent, one rope); zeros where invalid."""
+    ptrs = row[:, None] + cols[None, :]
+    mask = ok[:, None]
+    return (gl.load(ptrs, mask=mask, other=0.0), gl.load(ptrs + 64, mask=mask, other=0.0),
+            gl.load(ptrs + 128, mask=mask, other=0.0), gl.load(ptrs + 192, mask=mask, other=0.0),
+            gl.load(ptrs + 256, mask=mask, other=0.0), gl.load(ptrs + 320, mask=mask, other=0.0),
+            gl.load(ptrs + 384, mask=mask, other=0.0), gl.load(ptrs + 448, mask=mask, other=0.0),
+            gl.load(ptrs + 512, mask=mask, other=0.0))
+
+
+@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
-                    PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr):
+                    PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr, DEBUG: gl.constexpr):
     """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it."""
-    if KV_FP8:
+    if KV_FP8 and FP8_STAGES == 0:
+        # No staging ring (64-token slots leave no room for one): once a slot is free the loader loads
+        # the tile's e4m3 bytes into registers and casts and stores them 64 columns at a time, while the
+        # MMA warps work on the other slot. (Loading a tile ahead and carrying the bytes across the loop
+        # makes LLVM keep every byte in a register of its own: 4.5 KB of spills.)
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+                             layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        for t in range(n_tiles):
+            slot = t % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+            if DEBUG != 2:
+                # All nine loads first: Triton puts a barrier between the chunk stores, which would
+                # otherwise hold each chunk's load back until the previous chunk is stored.
+                xs = _load_chunks(row, ok, cols)
+                for c in gl.static_range(8):
+                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
+                k_rope.index(slot).store(xs[8].to(gl.float16))
+                fence_async_shared()
+            mbarrier.arrive(full_bars.index(slot))
+            row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+    elif KV_FP8:
         # 16 e4m3 values (16 bytes) a thread, four threads a 64-byte row segment, one row a thread
         # (at 32 rows): the latent part is 8 segments, the rope part one.
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
@@ -107,14 +150,14 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                              layout, BLOCK_N, PAGE_SIZE, SPARSE)
         # Prologue: the first FP8_STAGES - 1 tiles in flight.
         for j in gl.static_range(FP8_STAGES - 1):
-            if j < n_tiles:
+            if (j < n_tiles) & (DEBUG != 2):
                 _copy_tile(s_lat.index(j), s_rope.index(j), row, ok, layout)
             async_copy.commit_group()
             row, ok = _tile_rows(start + (j + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                                  stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         for t in range(n_tiles):
             ahead = t + FP8_STAGES - 1
-            if ahead < n_tiles:
+            if (ahead < n_tiles) & (DEBUG != 2):
                 _copy_tile(s_lat.index(ahead % FP8_STAGES), s_rope.index(ahead % FP8_STAGES), row, ok, layout)
             async_copy.commit_group()
             row, ok = _tile_rows(start + (ahead + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
@@ -126,9 +169,10 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             rope = s_rope.index(src).load(layout).to(gl.float16)
             slot = t % STAGES
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-            k_lat.index(slot).store(lat)
-            k_rope.index(slot).store(rope)
-            fence_async_shared()
+            if DEBUG != 2:
+                k_lat.index(slot).store(lat)
+                k_rope.index(slot).store(rope)
+                fence_async_shared()
             mbarrier.arrive(full_bars.index(slot))
     else:
         # 8 16-bit values (16 bytes) a thread; a warp copies four 128-byte row segments at a time.
@@ -138,7 +182,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
         for t in range(n_tiles):
             slot = t % STAGES
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-            _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout)
+            if DEBUG != 2:
+                _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout)
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
             row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                                  stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
@@ -149,7 +194,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                   SPLIT_S: gl.constexpr, HALF: gl.constexpr):
+                   SPLIT_S: gl.constexpr, HALF: gl.constexpr, DEBUG: gl.constexpr):
     """MMA warps: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     SPLIT_S: both warpgroups (8 warps) together, each scoring half the tokens. Otherwise one warpgroup
@@ -173,7 +218,11 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    for t in range(n_tiles):
+    if DEBUG == 1:  # measurement: hand every slot straight back
+        for t in range(n_tiles):
+            mbarrier.wait(full_bars.index(t % STAGES), (t // STAGES) & 1)
+            mbarrier.arrive(empty_bars.index(t % STAGES))
+    for t in range(n_tiles if DEBUG != 1 else 0):
         offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_s)
         if SPARSE:
             pos = gl.load(topk_row + offs, mask=offs < end, other=-1)
@@ -190,11 +239,15 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
         s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if DEBUG == 3:
+            m_new = m_i
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if DEBUG != 3:
+            l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
@@ -236,7 +289,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     FP8_STAGES: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr,
-    SPLIT_S: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    SPLIT_S: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, DEBUG: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -303,23 +356,23 @@ def _mla_hopper_kernel(
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, True, 0)),
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, True, 0, DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
-                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8))], [LOAD_WARPS], [LOAD_REGS])
+                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8, DEBUG))], [LOAD_WARPS], [LOAD_REGS])
     else:
         # The loader is the default partition here: the MMA warpgroups, as workers, get their arguments
         # through shared memory; as the default partition one would keep them live and spill.
         gl.warp_specialize([
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
-                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8)),
+                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8, DEBUG)),
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 0)),
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 0, DEBUG)),
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 1))],
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 1, DEBUG))],
             [4, 4], [MMA_REGS, MMA_REGS])

@@ -441,16 +441,18 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst, *, sm_scale, scale_value,
                    tk_strides, o_strides, l_strides, topk, split_items, grid, params, scale_is_ptr, sparse):
     """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`)."""
-    from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
-
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
+    from mla_tune.backends.triton_mla import hopper
+
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
+    # 64-token FP8 slots leave no shared memory for a staging ring: the loader casts from registers.
+    fp8_stages = 0 if params.block_n == 64 else HOPPER_FP8_STAGES
     # The two-partition form's MMA warpgroups are workers; the loader, its default partition, gets what
     # they leave of the 12 warps' registers (at least `load_regs`).
     mma_regs = (HOPPER_MAXNREG * 12 // 4 - load_regs) // 2 // 8 * 8
-    return _mla_hopper_kernel[grid](
+    return hopper._mla_hopper_kernel[grid](
         q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
         o_dst, l_dst,
         sm_scale * LOG2E, scale_value, Q_FP16_SCALE if kv_fp8 else 1.0,
@@ -461,7 +463,7 @@ def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_ds
         *o_strides, *l_strides,
         q.shape[2], topk, split_items,
         Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_N=params.block_n, STAGES=params.num_stages,
-        FP8_STAGES=HOPPER_FP8_STAGES, SPARSE=sparse, KV_FP8=kv_fp8,
+        FP8_STAGES=fp8_stages, SPARSE=sparse, KV_FP8=kv_fp8, DEBUG=hopper.DEBUG_MODE,
         KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_S=params.split_scores, MMA_REGS=mma_regs, LOAD_REGS=load_regs,
         num_warps=HOPPER_MMA_WARPS if params.split_scores else HOPPER_MMA_WARPS // 2, maxnreg=HOPPER_MAXNREG,
     )
