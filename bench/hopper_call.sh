@@ -19,19 +19,14 @@ import torch
 from test_triton_mla import _run_case
 from test_triton_mla_hopper import _params
 from mla_tune.backends.problem import Problem, Shape
-import dataclasses
 cases = [("bf16", 64, 1, 64, None), ("fp8_e4m3", 64, 1, 64, None), ("bf16", 20, 2, 16, None),
          ("fp8_e4m3", 3, 2, 128, None), ("bf16", 128, 1, 1, 2048), ("fp8_e4m3", 16, 2, 64, 2048)]
-runs = [(c, True, None) for c in cases] + [(c, True, 64) for c in cases if c[0] == "fp8_e4m3"]
-for (kv, heads, q_len, page, topk), split, block_n in runs:
+for kv, heads, q_len, page, topk in cases:
     t = time.time()
     lens = [1, 15, 16, 17, 1000, 0, 5000, 777]
     batch = len(lens)
     params = _params(kv, heads=heads, q_len=q_len, batch=batch, max_items=topk or 5000,
-                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk),
-                     split_scores=split)
-    if block_n:
-        params = dataclasses.replace(params, block_n=block_n, split_items=-(-params.split_items // block_n) * block_n)
+                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk))
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=page, q_len=q_len, topk=topk)
     r = _run_case(problem, Shape(batch, 5000), device="cuda", params=params,
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])

@@ -7,7 +7,7 @@ shipped tiles (`params_from_tile` with the real lengths). Prints one line per (s
 candidate, the geometric mean of its time over the shipped kernel's, with the worst shape.
 
     python3 bench/hopper_dev.py --out bench/results/hopper_ab_h100.txt
-    python3 bench/hopper_dev.py --kv bf16 --heads 64 --candidates 16bit:64x2,16bit:64x3 --fa3
+    python3 bench/hopper_dev.py --kv bf16 --heads 64 --candidates 16bit,16bit:m256 --fa3
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mla_tune.backends.problem import Problem, Shape  # noqa: E402
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
 from mla_tune.backends.triton_mla import hopper  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
-from mla_tune.backends.triton_mla.launch import HOPPER_TILES, params_from_tile  # noqa: E402
+from mla_tune.backends.triton_mla.launch import HOPPER_TILES, default_params, params_from_tile  # noqa: E402
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -36,15 +36,11 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 def candidate(spec: str):
-    """'16bit:64x2', 'fp8:32x2d' or 'fp8:32x3m256' -> (kind, Tile): block_n x ring slots, 'd' for duplicated
-    scores (two independent MMA warpgroups) instead of split ones, [m min_split_tokens]."""
-    kind, rest = spec.split(":")
-    block_n, rest = rest.split("x")
-    dup = "d" in rest
-    stages, _, min_split = rest.replace("d", "").partition("m")
-    tile = HOPPER_TILES[kind]._replace(block_n=int(block_n), num_stages=int(stages), split_scores=not dup)
-    if min_split:
-        tile = tile._replace(min_split_tokens=int(min_split))
+    """'16bit', 'fp8' or 'fp8:m256' -> (kind, Tile): `HOPPER_TILES[kind]` [with min_split_tokens 256]."""
+    kind, _, rest = spec.partition(":")
+    tile = HOPPER_TILES[kind]
+    if rest.startswith("m"):
+        tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, tile
 
 
@@ -65,7 +61,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="bf16,fp8_e4m3")
     ap.add_argument("--heads", default="16,32,64,128")
-    ap.add_argument("--candidates", default="16bit:64x2,16bit:32x4,fp8:32x2,fp8:64x2")
+    ap.add_argument("--candidates", default="16bit,fp8")
     ap.add_argument("--dense-only", action="store_true")
     ap.add_argument("--sparse-only", action="store_true")
     ap.add_argument("--ragged", action="store_true")
@@ -102,7 +98,10 @@ def main():
         case = Case(Problem(heads, kv, page_size=64, topk=topk), Shape(batch, kv_len), ragged=args.ragged)
         roof = case.roofline_us(bw, mm)
         adapter_cls = TritonMLASparse if topk else TritonMLA
-        base = check_and_time(case, adapter_cls())
+        # the tl tiles as shipped before the Hopper kernel (cc_major None: no warp-specialised dispatch)
+        tl_params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=case.max_items, num_sms=sms,
+                                   sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
+        base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
         for i, (ckind, tile) in enumerate(cands):
             if ckind != kind:

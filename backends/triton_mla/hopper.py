@@ -9,26 +9,25 @@ different warps. Here they are different warps:
 - a loader warpgroup (4 warps, few registers) streams KV tiles into a ring of `STAGES` shared-memory
   slots with `cp.async` (16 bytes a thread, rows gathered through the block table or the top-k list,
   invalid rows zero-filled) and signals each slot on an mbarrier. Row pointers are computed a tile
-  ahead, so the block-table (and top-k) loads stay off its path. With an FP8 cache it copies the raw
-  e4m3 rows into a staging ring, then casts them to fp16 into the MMA ring itself (each thread reads
-  back only the bytes it copied), so the cast never sits on the MMA warps' path;
-- two MMA warpgroups hold the 64 query rows in shared memory and, per tile, compute the scores with
-  `wgmma`, the online softmax and `p @ v` (p from registers, each warpgroup 256 of the 512 output
-  columns), then hand the slot back. Two ways to share the scores (`SPLIT_S`):
-  - split (one 8-warp partition): each warpgroup scores half the tile's tokens; the row max and sum
-    and `p` cross between the warpgroups through shared memory (Triton's reductions and layout
-    conversions, with partition barriers);
-  - duplicated (two 4-warp partitions): each warpgroup scores the whole tile itself (twice the score
-    MMAs), so the warpgroups never wait for each other.
+  ahead, so the block-table (and top-k) loads stay off its path. With an FP8 cache it loads the tile's
+  e4m3 bytes into registers once the slot is free, casts them to fp16 and stores them, so the cast never
+  sits on the MMA warps' path (a staging ring for `cp.async` does not fit beside 64-token slots);
+- two MMA warpgroups (one 8-warp partition) hold the 64 query rows in shared memory and, per tile,
+  compute the scores with `wgmma` (each warpgroup half the tile's tokens), the online softmax (row max
+  and sum across both halves, through shared memory) and `p @ v` (p from registers, each warpgroup 256
+  of the 512 output columns), then hand the slot back.
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
 it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`.
 
-Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring
-(plus `FP8_STAGES x BLOCK_N x 576` for the FP8 staging ring): `hopper_smem_bytes`; one program per SM.
-An FP8 ring of two 64-token slots leaves no room for a staging ring (`FP8_STAGES` 0): the loader then
-loads each tile's e4m3 bytes into its registers a tile ahead and casts them from there.
+Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring,
+216 KiB for two 64-token slots (`hopper_smem_bytes`); one program per SM. Slots of 32 tokens would leave
+room for more of them, but the score wgmma reads the query from shared memory at each of its 36 k-steps
+whatever the slot width, so per token they move twice the query bytes: BF16 32-token slots ran 1.5x
+slower with the MMA warps alone, FP8 ones (with a cp.async staging ring) 1.28x slower overall (device
+call 39). A form in which each warpgroup scored the whole tile (no exchange, twice the score MMAs) ran up
+to 1.4x slower than the split one (call 38); bench/TRITON_NOTES.md, rounds 11-13.
 """
 
 from __future__ import annotations
@@ -48,11 +47,9 @@ DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, fp8_stages: int, kv_fp8: bool) -> int:
+def hopper_smem_bytes(*, block_n: int, stages: int) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch)."""
-    ring = stages * block_n * 576 * 2
-    staging = fp8_stages * block_n * 576 if kv_fp8 else 0
-    return ROWS.value * 576 * 2 + ring + staging
+    return ROWS.value * 576 * 2 + stages * block_n * 576 * 2
 
 
 @gluon.jit
@@ -115,13 +112,13 @@ def _load_chunks(row, ok, cols):
 
 @gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                    k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
-                    PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr, DEBUG: gl.constexpr):
+                    k_lat, k_rope, full_bars, empty_bars,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
+                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr):
     """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it."""
-    if KV_FP8 and FP8_STAGES == 0:
-        # No staging ring (64-token slots leave no room for one): once a slot is free the loader loads
-        # the tile's e4m3 bytes into registers and casts and stores them 64 columns at a time, while the
+    if KV_FP8:
+        # Once a slot is free the loader loads the tile's e4m3 bytes into registers (16 bytes a thread,
+        # four threads a 64-byte row segment) and casts and stores them 64 columns at a time, while the
         # MMA warps work on the other slot. (Loading a tile ahead and carrying the bytes across the loop
         # makes LLVM keep every byte in a register of its own: 4.5 KB of spills.)
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
@@ -142,38 +139,6 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             mbarrier.arrive(full_bars.index(slot))
             row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                                  stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    elif KV_FP8:
-        # 16 e4m3 values (16 bytes) a thread, four threads a 64-byte row segment, one row a thread
-        # (at 32 rows): the latent part is 8 segments, the rope part one.
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-        row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-                             layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        # Prologue: the first FP8_STAGES - 1 tiles in flight.
-        for j in gl.static_range(FP8_STAGES - 1):
-            if (j < n_tiles) & (DEBUG != 2):
-                _copy_tile(s_lat.index(j), s_rope.index(j), row, ok, layout)
-            async_copy.commit_group()
-            row, ok = _tile_rows(start + (j + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        for t in range(n_tiles):
-            ahead = t + FP8_STAGES - 1
-            if (ahead < n_tiles) & (DEBUG != 2):
-                _copy_tile(s_lat.index(ahead % FP8_STAGES), s_rope.index(ahead % FP8_STAGES), row, ok, layout)
-            async_copy.commit_group()
-            row, ok = _tile_rows(start + (ahead + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-            # This thread's copies of tile t have landed; it reads back exactly those bytes.
-            async_copy.wait_group(FP8_STAGES - 1)
-            src = t % FP8_STAGES
-            lat = s_lat.index(src).load(layout).to(gl.float16)
-            rope = s_rope.index(src).load(layout).to(gl.float16)
-            slot = t % STAGES
-            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-            if DEBUG != 2:
-                k_lat.index(slot).store(lat)
-                k_rope.index(slot).store(rope)
-                fence_async_shared()
-            mbarrier.arrive(full_bars.index(slot))
     else:
         # 8 16-bit values (16 bytes) a thread; a warp copies four 128-byte row segments at a time.
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
@@ -194,18 +159,15 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                   SPLIT_S: gl.constexpr, HALF: gl.constexpr, DEBUG: gl.constexpr):
-    """MMA warps: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
+                   DEBUG: gl.constexpr):
+    """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
-    SPLIT_S: both warpgroups (8 warps) together, each scoring half the tokens. Otherwise one warpgroup
-    (4 warps) that scores every token itself and owns output columns `[256 HALF, 256 HALF + 256)`.
+    `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
+    the 512 output columns (m64n256).
     """
-    GROUPS: gl.constexpr = 2 if SPLIT_S else 1
-    O_COLS: gl.constexpr = 512 if SPLIT_S else 256
-    S_N: gl.constexpr = BLOCK_N // 2 if SPLIT_S else BLOCK_N  # score columns per warpgroup
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
-                                                       instr_shape=[16, S_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, 256, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -214,7 +176,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
 
     qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
     visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
-    acc = gl.zeros([ROWS, O_COLS], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, 512], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -251,28 +213,22 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         m_i = m_new
         p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        if SPLIT_S:
-            v = kl
-        else:
-            v = kl.slice(HALF * 256, 256, dim=1)
-        acc = warpgroup_mma(p_op, v, acc, is_async=True)
+        acc = warpgroup_mma(p_op, kl, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
 
-    # Epilogue: the partial (or final) output and, from the first warpgroup, the LSE.
+    # Epilogue: the partial (or final) output and the LSE.
     qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
-    cols_o = HALF * 256 + gl.arange(0, O_COLS, layout=gl.SliceLayout(0, o_layout))
+    cols_o = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
     o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
     l_o = gl.convert_layout(l_i, rows_o)
     inv_l = gl.where(l_o > 0.0, out_scale / gl.where(l_o > 0.0, l_o, 1.0), 0.0)
     gl.store(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
              mask=(ok_o & store_o)[:, None] & (cols_o[None, :] < 512))
-    if HALF == 0:
-        qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
-        lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
-        gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
-                 lse, mask=ok_l)
+    qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+    lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
+             lse, mask=ok_l)
 
 
 @gluon.jit
@@ -288,8 +244,8 @@ def _mla_hopper_kernel(
     stride_lb, stride_ls, stride_lt, stride_lh,
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    FP8_STAGES: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr,
-    SPLIT_S: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, DEBUG: gl.constexpr = 0,
+    SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
+    DEBUG: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -334,45 +290,21 @@ def _mla_hopper_kernel(
 
     k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
     k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
-    if KV_FP8:
-        stage_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
-        s_lat = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [FP8_STAGES, BLOCK_N, 512], stage_layout)
-        s_rope = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [FP8_STAGES, BLOCK_N, 64], stage_layout)
-    else:
-        s_lat = k_lat
-        s_rope = k_rope
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # BF16: every loader thread arrives when its own copies land; FP8: one arrival after the cast.
         mbarrier.init(full_bars.index(i), count=1 if KV_FP8 else LOAD_WARPS * 32)
-        # Each MMA partition hands the slot back once.
-        mbarrier.init(empty_bars.index(i), count=1 if SPLIT_S else 2)
+        mbarrier.init(empty_bars.index(i), count=1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
-    # (Argument tuples are written out in each call: a tuple bound to a name loses its constexprs.)
-    if SPLIT_S:
-        gl.warp_specialize([
-            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, True, 0, DEBUG)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
-                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8, DEBUG))], [LOAD_WARPS], [LOAD_REGS])
-    else:
-        # The loader is the default partition here: the MMA warpgroups, as workers, get their arguments
-        # through shared memory; as the default partition one would keep them live and spill.
-        gl.warp_specialize([
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, s_lat, s_rope, full_bars, empty_bars,
-                               BLOCK_N, STAGES, FP8_STAGES, PAGE_SIZE, SPARSE, KV_FP8, DEBUG)),
-            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 0, DEBUG)),
-            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, False, 1, DEBUG))],
-            [4, 4], [MMA_REGS, MMA_REGS])
+    # (The argument tuples are written out in the call: a tuple bound to a name loses its constexprs.)
+    gl.warp_specialize([
+        (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                          pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
+                          kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                          stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
+        (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                           k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                           DEBUG))],
+        [LOAD_WARPS], [LOAD_REGS])

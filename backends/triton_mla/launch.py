@@ -30,13 +30,13 @@ import triton
 from mla_tune.backends.triton_mla.kernel import (
     LOG2E, Q_FP16_SCALE, _mla_combine_kernel, _mla_split_kernel, scratch_per_program)
 
-HOPPER_ROWS = 64
+# The Hopper kernel (`hopper.py`): (block_h, block_n, num_warps, num_stages) = 64 rows, 64-token slots, 8 MMA
+# warps, 2 slots; plus a 4-warp loader. Launched at `maxnreg` 168 registers (12 warps x 32 x 168 fits the
+# SM's 64 Ki registers); `setmaxnreg` then gives the loader LOAD_REGS and the MMA warps the rest (208/200).
+HOPPER_SHAPE = (64, 64, 8, 2)
 HOPPER_MMA_WARPS = 8
-# The Hopper kernel's launch: 8 MMA warps + a 4-warp loader at `maxnreg` 168 registers (12 warps x 32 x 168
-# fits the SM's 64 Ki registers); `setmaxnreg` then gives the loader LOAD_REGS and the MMA warps the rest.
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
-HOPPER_FP8_STAGES = 3
 
 D_LATENT = 512
 D_ROPE = 64
@@ -88,11 +88,10 @@ class LaunchParams:
         opaque_v_cast: FP8 with `fp16_math` and `reload_v`: the V reload is cast to fp16 by an
             inline-asm `cvt` Triton cannot reorder, so V reaches the MMA through `ldmatrix.trans`
             on the fp16 tile instead of byte loads of the FP8 tile (see `_load_kv`).
-        warp_specialized: run the Hopper kernel of `hopper.py` (SM90 only; 64 rows, 8 MMA warps
-            plus a loader warpgroup; `num_stages` is its ring of KV slots, and an FP8 cache is cast
-            by the loader; `split_scores` there means the two MMA warpgroups score half the tile
-            each and exchange the softmax through shared memory, otherwise each scores all of it).
-            The `tl`-only fields (split_d, reload_v, hoist_pages, fp16_math, max_regs,
+        warp_specialized: run the Hopper kernel of `hopper.py` (SM90 only): 64 rows, 8 MMA warps
+            plus a loader warpgroup, a ring of two 64-token slots (`HOPPER_SHAPE`, all that fits
+            beside the query in shared memory); an FP8 cache is cast by the loader. The `tl`-only
+            fields (split_d, reload_v, hoist_pages, fp16_math, max_regs, split_scores,
             opaque_v_cast) must stay at their defaults.
     """
 
@@ -112,18 +111,19 @@ class LaunchParams:
     warp_specialized: bool = False
 
     def __post_init__(self):
-        if self.split_scores and not (self.split_d or self.warp_specialized):
+        if self.split_scores and not self.split_d:
             raise ValueError("split_scores needs split_d")
         if self.opaque_v_cast and not (self.reload_v and self.fp16_math):
             raise ValueError("opaque_v_cast needs reload_v and fp16_math")
         if self.warp_specialized:
             tl_only = [name for name in ("split_d", "reload_v", "hoist_pages", "fp16_math", "max_regs",
-                                         "opaque_v_cast") if getattr(self, name)]
+                                         "split_scores", "opaque_v_cast") if getattr(self, name)]
             if tl_only:
                 raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
-            if (self.block_h, self.num_warps) != (HOPPER_ROWS, HOPPER_MMA_WARPS) or self.block_n not in (32, 64):
-                raise ValueError(f"warp_specialized needs block_h {HOPPER_ROWS}, num_warps {HOPPER_MMA_WARPS} "
-                                 f"and block_n 32 or 64, got {self.block_h}, {self.num_warps}, {self.block_n}")
+            shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
+            if shape != HOPPER_SHAPE:
+                raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = {HOPPER_SHAPE} "
+                                 f"only (227 KiB of shared memory), got {shape}")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -216,13 +216,26 @@ SPARSE_TILE_TABLE = {
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
 
-# The warp-specialised Hopper kernel (`hopper.py`), per KV kind: 64 rows, 8 MMA warps, a ring of
-# `num_stages` slots of `block_n` tokens (FP8: 32-token slots, so that the fp16 ring, the FP8 staging
-# ring and the 72 KiB query fit 227 KiB of shared memory), one program per SM.
+# The warp-specialised Hopper kernel (`hopper.py`), per KV kind: 64 rows, 8 MMA warps with the scores
+# split between the two warpgroups, a ring of two 64-token slots, one program per SM. FP8 uses 64-token
+# slots too (its loader casts from registers): with 32-token slots and a staging ring the query's
+# shared-memory traffic per token doubles, and the kernel ran 1.28x slower (device call 39, A/B geomean
+# 1.006 against 0.788 of the tl tile).
 HOPPER_TILES = {
-    "16bit": Tile(64, 64, 8, 2, False, 1, False, 128, split_scores=True, warp_specialized=True),
-    "fp8": Tile(64, 32, 8, 2, False, 1, False, 128, split_scores=True, warp_specialized=True),
+    "16bit": Tile(*HOPPER_SHAPE[:2], *HOPPER_SHAPE[2:], False, 1, False, 128, warp_specialized=True),
+    "fp8": Tile(*HOPPER_SHAPE[:2], *HOPPER_SHAPE[2:], False, 1, False, 128, warp_specialized=True),
 }
+# (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
+# warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
+# (bench/results/hopper_ab_h100_call3{7,8,9}.txt, time ratio against the tl tile): BF16 64/128 heads
+# 0.60-0.98 at every batch; BF16 16/32 heads 1.05-1.22 at batch 1, 0.73-0.99 from batch 4 (sparse 16 heads:
+# 1.04-1.12 at batch 4, 0.80-0.95 from 64); FP8 64/128 heads 0.58-0.92 at every batch; FP8 16 heads dense
+# 0.90-1.01 (mixed: the 16-row tl tile stays), sparse 0.88-0.90 from batch 64.
+HOPPER_MIN_BATCH = {
+    ("16bit", 16): (4, 64), ("16bit", 32): (4, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
+    ("fp8", 16): (None, 64), ("fp8", 32): (4, 4), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
+}
+HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
 # batch, where a narrower tile's extra programs beat the wider tile's single read of each KV tile (H100;
@@ -316,8 +329,9 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False,
                    lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
-    """The heuristic: tiles from `TILE_TABLE` by head rows (`SMALL_BATCH_TILES` for few requests),
-    splits from batch x length x SMs.
+    """The heuristic: on SM90 the warp-specialised kernel where `HOPPER_MIN_BATCH` says it wins, otherwise
+    tiles from `TILE_TABLE` by head rows (`SMALL_BATCH_TILES` for few requests); splits from batch x length
+    x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
@@ -326,6 +340,10 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
+    min_batch = HOPPER_MIN_BATCH[(kind, bucket)][1 if sparse else 0]
+    if cc_major in HOPPER_CC_MAJORS and min_batch is not None and batch >= min_batch:
+        return params_from_tile(HOPPER_TILES[kind], rows=rows, q_len=q_len, batch=batch, max_items=max_items,
+                                num_sms=num_sms, sparse=sparse, lengths=lengths)
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
         bucket = 16
     tile = (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
@@ -446,12 +464,6 @@ def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_ds
     from mla_tune.backends.triton_mla import hopper
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
-    # 64-token FP8 slots leave no shared memory for a staging ring: the loader casts from registers.
-    fp8_stages = 0 if params.block_n == 64 else HOPPER_FP8_STAGES
-    # The two-partition form's MMA warpgroups are workers; the loader, its default partition, gets what
-    # they leave of the 12 warps' registers (at least `load_regs`).
-    mma_regs = (HOPPER_MAXNREG * 12 // 4 - load_regs) // 2 // 8 * 8
     return hopper._mla_hopper_kernel[grid](
         q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
         o_dst, l_dst,
@@ -463,9 +475,9 @@ def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_ds
         *o_strides, *l_strides,
         q.shape[2], topk, split_items,
         Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_N=params.block_n, STAGES=params.num_stages,
-        FP8_STAGES=fp8_stages, SPARSE=sparse, KV_FP8=kv_fp8, DEBUG=hopper.DEBUG_MODE,
-        KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_S=params.split_scores, MMA_REGS=mma_regs, LOAD_REGS=load_regs,
-        num_warps=HOPPER_MMA_WARPS if params.split_scores else HOPPER_MMA_WARPS // 2, maxnreg=HOPPER_MAXNREG,
+        SPARSE=sparse, KV_FP8=kv_fp8, KV_SCALE_IS_PTR=scale_is_ptr,
+        LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
+        num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG,
     )
 
 

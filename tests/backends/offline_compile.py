@@ -47,7 +47,6 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 
 
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64,
-                   block_n: int = 64, stages: int = 2, split_scores: bool = True,
                    **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a."""
     import subprocess
@@ -58,13 +57,12 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_FP8_STAGES, HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_MMA_WARPS)
+        HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_MMA_WARPS, HOPPER_SHAPE)
 
     fp8 = kv == "fp8"
-    load_regs = HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"]
-    const = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, FP8_STAGES=HOPPER_FP8_STAGES,
-                 SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False, SPLIT_S=split_scores,
-                 MMA_REGS=(HOPPER_MAXNREG * 3 - load_regs) // 2 // 8 * 8, LOAD_REGS=load_regs)
+    const = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=HOPPER_SHAPE[1], STAGES=HOPPER_SHAPE[3],
+                 SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
+                 LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"])
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
@@ -77,12 +75,11 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in _FLOATS else "i32"
-            if name.startswith("stride") and name != "stride_qh":
+            if name.startswith("stride"):  # as Triton's launcher specialises them (all multiples of 16 here)
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": HOPPER_MMA_WARPS if split_scores else HOPPER_MMA_WARPS // 2,
-                                       "maxnreg": HOPPER_MAXNREG})
+                              options={"num_warps": HOPPER_MMA_WARPS, "maxnreg": HOPPER_MAXNREG})
     ptx = compiled.asm["ptx"]
     ptxas = triton.backends.nvidia.__path__[0] + "/bin/ptxas"
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,33 +26,50 @@ def _spill_bytes(report: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
 
 
-@pytest.mark.parametrize("split_scores", [True, False])
 @pytest.mark.parametrize("kv,sparse,q_len,page_size", [
     ("bf16", False, 1, 64), ("fp16", False, 2, 16), ("bf16", True, 2, 1),
     ("fp8", False, 1, 64), ("fp8", True, 2, 1), ("fp8", False, 2, 128)])
-def test_hopper_kernel_compiles_for_sm90a(kv, sparse, q_len, page_size, split_scores):
+def test_hopper_kernel_compiles_for_sm90a(kv, sparse, q_len, page_size):
     from offline_compile import hopper_compile
 
-    from mla_tune.backends.triton_mla.launch import HOPPER_TILES
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+    from mla_tune.backends.triton_mla.launch import HOPPER_SHAPE
 
-    tile = HOPPER_TILES["fp8" if kv == "fp8" else "16bit"]
-    ptx, smem, report = hopper_compile(kv=kv, sparse=sparse, q_len=q_len, page_size=page_size,
-                                       block_n=tile.block_n, stages=tile.num_stages, split_scores=split_scores)
-    assert smem <= SMEM_LIMIT, smem
-    assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx
+    ptx, smem, report = hopper_compile(kv=kv, sparse=sparse, q_len=q_len, page_size=page_size)
+    assert hopper_smem_bytes(block_n=HOPPER_SHAPE[1], stages=HOPPER_SHAPE[3]) <= smem <= SMEM_LIMIT, smem
+    assert "wgmma.mma_async.sync.aligned.m64n32k16" in ptx and "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
     assert "setmaxnreg" in ptx, "the loader warpgroup must hand its registers to the MMA warps"
-    # the two-partition form keeps a few wgmma descriptors in local memory (uniform registers run out)
-    assert _spill_bytes(report) <= (64 if split_scores else 512), report
+    if kv == "fp8":  # the loader casts e4m3 pairs to fp16 itself, from 16-byte loads
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and "ld.global.v4" in ptx
+    else:
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert _spill_bytes(report) <= 8, report
 
 
-def test_warp_specialized_params_refuse_tl_only_fields():
+def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
     from mla_tune.backends.triton_mla import LaunchParams
 
     with pytest.raises(ValueError, match="does not take the tl kernel's split_d"):
-        LaunchParams(block_h=64, num_warps=8, split_d=True, warp_specialized=True)
-    with pytest.raises(ValueError, match="needs block_h 64"):
-        LaunchParams(block_h=32, num_warps=8, warp_specialized=True)
+        LaunchParams(block_h=64, block_n=64, num_warps=8, split_d=True, warp_specialized=True)
+    with pytest.raises(ValueError, match=r"runs \(block_h, block_n, num_warps, num_stages\) = \(64, 64, 8, 2\) only"):
+        LaunchParams(block_h=64, block_n=32, num_warps=8, num_stages=4, warp_specialized=True)
     assert LaunchParams(block_h=64, num_warps=8, block_n=64, warp_specialized=True).label().endswith("Wx1")
+
+
+@pytest.mark.parametrize("kind,bucket", [("16bit", 16), ("16bit", 32), ("16bit", 64), ("16bit", 128),
+                                         ("fp8", 16), ("fp8", 32), ("fp8", 64), ("fp8", 128)])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bucket, sparse):
+    from mla_tune.backends.triton_mla.launch import HOPPER_MIN_BATCH, default_params
+
+    min_batch = HOPPER_MIN_BATCH[(kind, bucket)][sparse]
+    for batch in (1, 2, 4, 16, 64, 128):
+        kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=4096, num_sms=132, sparse=sparse,
+                      kv_fp8=kind == "fp8", lengths=[4096] * batch)
+        hopper = default_params(**kwargs, cc_major=9)
+        assert hopper.warp_specialized == (min_batch is not None and batch >= min_batch), (batch, hopper)
+        for other in (8, 10, 12, None):  # no wgmma / setmaxnreg there (None: the CPU interpreter)
+            assert not default_params(**kwargs, cc_major=other).warp_specialized
 
 
 def test_warp_specialized_launch_needs_a_gpu():
@@ -71,14 +88,10 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, stages=None, split_scores=None):
+def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False):
     from mla_tune.backends.triton_mla.launch import HOPPER_TILES, params_from_tile
 
     tile = HOPPER_TILES["fp8" if kv_dtype == "fp8_e4m3" else "16bit"]
-    if stages:
-        tile = tile._replace(num_stages=stages)
-    if split_scores is not None:
-        tile = tile._replace(split_scores=split_scores)
     return params_from_tile(tile, rows=heads if sparse else heads * q_len, q_len=q_len, batch=batch,
                             max_items=max_items, sparse=sparse, lengths=lengths,
                             num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -94,12 +107,10 @@ hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised ker
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-@pytest.mark.parametrize("split_scores", [True, False])
-def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size, split_scores):
+def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
     # lengths 1, 15, 16, 17, 1000, 0 (+ two long ones, so that requests split), permuted pages
     lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
-    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens,
-                     split_scores=split_scores)
+    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, q_len=q_len)
     r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
     assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
@@ -111,13 +122,11 @@ def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size, split_
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("heads,batch,kv_len,q_len", [(16, 1, 32768, 1), (128, 2, 32768, 1), (64, 8, 4096, 1),
                                                       (20, 33, 3000, 2), (128, 64, 1024, 2)])
-@pytest.mark.parametrize("split_scores", [True, False])
-def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len, split_scores):
+def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len):
     from mla_tune.backends.inputs import ragged_lengths
 
     lens = ragged_lengths(Shape(batch, kv_len), page_size=64, min_len=q_len, seed=7)
-    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=kv_len, lengths=lens,
-                     split_scores=split_scores)
+    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=kv_len, lengths=lens)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, q_len=q_len)
     r = _run_case(problem, Shape(batch, kv_len), device="cuda", params=params)
     assert not r["nan"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
@@ -128,12 +137,11 @@ def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len, split_scor
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads,page_size", [(3, 1), (16, 64), (20, 16), (64, 1), (128, 64)])
-@pytest.mark.parametrize("split_scores", [True, False])
-def test_gpu_hopper_sparse_topk2048(kv_dtype, q_len, heads, page_size, split_scores):
+def test_gpu_hopper_sparse_topk2048(kv_dtype, q_len, heads, page_size):
     # ragged lengths up to 2500: most requests have fewer than 2048 positions, so slots are -1 padded
     batch = 6
     params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=2048, lengths=[2048] * batch,
-                     sparse=True, split_scores=split_scores)
+                     sparse=True)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, topk=2048, q_len=q_len)
     r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
     assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
@@ -141,21 +149,30 @@ def test_gpu_hopper_sparse_topk2048(kv_dtype, q_len, heads, page_size, split_sco
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("kv_dtype,stages", [("fp8_e4m3", 2), ("bf16", 3)])
-@pytest.mark.parametrize("split_scores", [True, False])
-def test_gpu_hopper_large_query_and_ring_depth(kv_dtype, stages, split_scores):
-    # |q| ~ 3e4: the fp16 query of FP8 must keep its 2^-8 scale; a 3-slot ring (BF16 32-token slots)
-    # wraps its phases differently
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_gpu_hopper_large_query_and_many_tiles(kv_dtype):
+    # |q| ~ 3e4: the fp16 query of FP8 must keep its 2^-8 scale; one split of 3000 tokens runs 47 tiles,
+    # so both ring slots wrap their mbarrier phases many times (a 0-d scale tensor for FP8)
     lens = [3000, 17, 2999]
-    params = _params(kv_dtype, heads=64, q_len=1, batch=3, max_items=3000, lengths=lens, stages=stages,
-                     split_scores=split_scores)
-    if stages == 3:
-        params = dataclasses.replace(params, block_n=32,
-                                     split_items=(params.split_items + 31) // 32 * 32)
+    params = _params(kv_dtype, heads=64, q_len=1, batch=3, max_items=3000, lengths=lens)
+    params = dataclasses.replace(params, num_splits=1, split_items=3008)
     problem = Problem(num_heads=64, kv_cache_dtype=kv_dtype, page_size=64)
     r = _run_case(problem, Shape(3, 3000), device="cuda", seq_lens=lens, params=params, q_mult=3e4,
                   scale_tensor=kv_dtype == "fp8_e4m3")
     assert not r["nan"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gpu_default_params_take_the_hopper_kernel_and_match_the_reference():
+    # mla_decode with no params on an SM90 GPU: the warp-specialised kernel for 64 heads
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    problem = Problem(num_heads=64, kv_cache_dtype="fp8_e4m3", page_size=64)
+    assert default_params(num_heads=64, q_len=1, batch=8, max_items=4096, num_sms=132, kv_fp8=True,
+                          cc_major=torch.cuda.get_device_capability()[0]).warp_specialized
+    r = _run_case(problem, Shape(8, 4096), device="cuda")
+    assert not r["nan"] and r["rel_err"] < _tol("fp8_e4m3"), r
 
 
 @pytest.mark.gpu
