@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the warp-specialised Hopper kernel: install, smoke test under a timeout (a deadlocked
 # pipeline must not eat the call), same-process A/B against the shipped tl tiles, then the kernel's GPU tests.
-# Usage (device root): OUT=dir NAME=h100-call37 AB_ARGS="..." TEST_K="..." bash bench/hopper_call.sh
+# Usage (device root): OUT=dir NAME=h100-call37 [GRID=1] AB_ARGS="..." [DEBUG_MODES="..."] TEST_K="..." \
+#   bash bench/hopper_call.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
@@ -32,6 +33,9 @@ for kv, heads, q_len, page, topk in cases:
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
     print(kv, heads, q_len, page, topk, params.label(), r, f"{time.time() - t:.1f}s", flush=True)
 PY
+if [ -n "${GRID:-}" ]; then  # the official grids with FlashInfer, on the shipped defaults
+  timeout ${GRID_S:-400} bash bench/final_grid.sh "$NAME" 2>&1 | tail -30 | tee "$OUT/grid-summary-$NAME.txt"
+fi
 timeout ${AB_S:-260} python3 bench/hopper_dev.py --out "$OUT/ab-$NAME.txt" ${AB_ARGS:-} 2>&1 | tail -3
 for mode in ${DEBUG_MODES:-}; do
   timeout 60 python3 bench/hopper_dev.py --debug $mode --shapes big --heads 16,64,128 ${DEBUG_ARGS:-} \
