@@ -32,7 +32,8 @@ from mla_tune.backends.triton_mla.launch import HOPPER_TILES, default_params, pa
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
-SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (128, 16384)], [(128, 32768)])}
+SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (128, 16384)], [(128, 32768)]),
+              "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)])}
 
 
 def candidate(spec: str):

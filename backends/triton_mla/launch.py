@@ -227,13 +227,13 @@ HOPPER_TILES = {
 }
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
-# (bench/results/hopper_ab_h100_call3{7,8,9}.txt, time ratio against the tl tile): BF16 64/128 heads
-# 0.60-0.98 at every batch; BF16 16/32 heads 1.05-1.22 at batch 1, 0.73-0.99 from batch 4 (sparse 16 heads:
-# 1.04-1.12 at batch 4, 0.80-0.95 from 64); FP8 64/128 heads 0.58-0.92 at every batch; FP8 16 heads dense
+# (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, time ratio against the tl tile): BF16 64/128 heads
+# 0.60-0.98 at every batch; BF16 16/32 heads 1.05-1.26 at batch 1, 0.73-0.99 from batch 4 (sparse 16 heads:
+# 1.04-1.12 at batch 4, 0.80-0.95 from 64); FP8 32/64/128 heads 0.58-1.00 at every batch; FP8 16 heads dense
 # 0.90-1.01 (mixed: the 16-row tl tile stays), sparse 0.88-0.90 from batch 64.
 HOPPER_MIN_BATCH = {
     ("16bit", 16): (4, 64), ("16bit", 32): (4, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
-    ("fp8", 16): (None, 64), ("fp8", 32): (4, 4), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
+    ("fp8", 16): (None, 64), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
 }
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
 
