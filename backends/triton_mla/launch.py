@@ -228,13 +228,22 @@ HOPPER_TILES = {
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
 # (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, time ratio against the tl tile): BF16 64/128 heads
-# 0.60-0.98 at every batch; BF16 16/32 heads 1.05-1.26 at batch 1, 0.73-0.99 from batch 4 (sparse 16 heads:
-# 1.04-1.12 at batch 4, 0.80-0.95 from 64); FP8 32/64/128 heads 0.58-1.00 at every batch; FP8 16 heads dense
-# 0.90-1.01 (mixed: the 16-row tl tile stays), sparse 0.88-0.90 from batch 64.
+# 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4 (but 1.08 at batch 4 kv 4k
+# in the official grid of call 40, so dense from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.80-0.95 from
+# 64; FP8 32/64/128 heads 0.58-1.00 at every batch; FP8 16 heads dense 0.90-1.01 (mixed), sparse 0.88-0.90 from
+# 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200 (calls 40/43
+# against 33/36), so the 16-row tl tile keeps it.
 HOPPER_MIN_BATCH = {
-    ("16bit", 16): (4, 64), ("16bit", 32): (4, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
+    ("16bit", 16): (None, 64), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
     ("fp8", 16): (None, 64), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
 }
+# Short requests at small batches stay on the tl tiles: below HOPPER_SHORT_BATCH requests, a batch whose
+# longest request is shorter than HOPPER_MIN_ITEMS tokens (or top-k slots) gives the warp-specialised kernel
+# too few tiles per program for its set-up (the 72 KiB query load, the first tile's wait): kv 1024 at batch
+# 1-16 ran 1.04-1.45x slower than the tl tiles in the official grids (H100 call 40 against call 33, H200
+# call 43 against 36), while batch 64-128 at kv 1024 and kv >= 4096 did not lose.
+HOPPER_MIN_ITEMS = 2048
+HOPPER_SHORT_BATCH = 64
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
@@ -329,9 +338,9 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False,
                    lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
-    """The heuristic: on SM90 the warp-specialised kernel where `HOPPER_MIN_BATCH` says it wins, otherwise
-    tiles from `TILE_TABLE` by head rows (`SMALL_BATCH_TILES` for few requests); splits from batch x length
-    x SMs.
+    """The heuristic: on SM90 the warp-specialised kernel where `HOPPER_MIN_BATCH` says it wins (and the
+    requests are not short, `HOPPER_MIN_ITEMS`), otherwise tiles from `TILE_TABLE` by head rows
+    (`SMALL_BATCH_TILES` for few requests); splits from batch x length x SMs.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
@@ -341,7 +350,8 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
     min_batch = HOPPER_MIN_BATCH[(kind, bucket)][1 if sparse else 0]
-    if cc_major in HOPPER_CC_MAJORS and min_batch is not None and batch >= min_batch:
+    short = max_items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
+    if cc_major in HOPPER_CC_MAJORS and min_batch is not None and batch >= min_batch and not short:
         return params_from_tile(HOPPER_TILES[kind], rows=rows, q_len=q_len, batch=batch, max_items=max_items,
                                 num_sms=num_sms, sparse=sparse, lengths=lengths)
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:

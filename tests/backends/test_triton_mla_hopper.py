@@ -60,16 +60,20 @@ def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
                                          ("fp8", 16), ("fp8", 32), ("fp8", 64), ("fp8", 128)])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bucket, sparse):
-    from mla_tune.backends.triton_mla.launch import HOPPER_MIN_BATCH, default_params
+    from mla_tune.backends.triton_mla.launch import (
+        HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_SHORT_BATCH, default_params)
 
     min_batch = HOPPER_MIN_BATCH[(kind, bucket)][sparse]
     for batch in (1, 2, 4, 16, 64, 128):
-        kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=4096, num_sms=132, sparse=sparse,
-                      kv_fp8=kind == "fp8", lengths=[4096] * batch)
-        hopper = default_params(**kwargs, cc_major=9)
-        assert hopper.warp_specialized == (min_batch is not None and batch >= min_batch), (batch, hopper)
-        for other in (8, 10, 12, None):  # no wgmma / setmaxnreg there (None: the CPU interpreter)
-            assert not default_params(**kwargs, cc_major=other).warp_specialized
+        for items in (1024, 2048, 4096):
+            kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
+                          kv_fp8=kind == "fp8", lengths=[items] * batch)
+            short = items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
+            hopper = default_params(**kwargs, cc_major=9)
+            assert hopper.warp_specialized == (min_batch is not None and batch >= min_batch and not short), \
+                (batch, items, hopper)
+            for other in (8, 10, 12, None):  # no wgmma / setmaxnreg there (None: the CPU interpreter)
+                assert not default_params(**kwargs, cc_major=other).warp_specialized
 
 
 def test_warp_specialized_launch_needs_a_gpu():
