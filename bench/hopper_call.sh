@@ -44,4 +44,4 @@ done
 timeout ${TEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_triton_mla_hopper.py \
   ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 > "$OUT/tests-$NAME.txt"
 tail -3 "$OUT/tests-$NAME.txt"
-[ -f "$OUT/ab-$NAME.txt" ] && grep "^#" "$OUT/ab-$NAME.txt" | tail -8
+if [ -f "$OUT/ab-$NAME.txt" ]; then grep "^#" "$OUT/ab-$NAME.txt" | tail -8; fi
