@@ -43,7 +43,9 @@ def test_hopper_kernel_compiles_for_sm90a(kv, sparse, q_len, page_size):
         assert "cvt.rn.f16x2.e4m3x2" in ptx and "ld.global.v4" in ptx
     else:
         assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
-    assert _spill_bytes(report) <= 8, report
+    # a few bytes at most (Triton 3.6.0: 0-4, 3.7.1: up to 20 for sparse FP8); a loader that kept a tile ahead
+    # in registers spilled 4.5 KB
+    assert _spill_bytes(report) <= 64, report
 
 
 def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
