@@ -115,43 +115,41 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
                     KV_FP8: gl.constexpr, DEBUG: gl.constexpr):
-    """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it."""
+    """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it.
+
+    BF16/FP16: `cp.async` straight into the slot, 8 values (16 bytes) a thread, a warp four 128-byte row
+    segments at a time; each thread's `cp.async.mbarrier.arrive.noinc` completes the slot's barrier. FP8:
+    once the slot is free the tile's e4m3 bytes are loaded into registers (16 bytes a thread, four threads
+    a 64-byte row segment), all nine 64-column chunks first (Triton puts a barrier between the chunk
+    stores, which would otherwise hold each chunk's load back until the previous chunk is stored), then
+    cast to fp16 and stored while the MMA warps work on the other slot. (Loading an FP8 tile ahead and
+    carrying the bytes across the loop makes LLVM keep every byte in a register of its own: 4.5 KB of
+    spills.)
+    """
     if KV_FP8:
-        # Once a slot is free the loader loads the tile's e4m3 bytes into registers (16 bytes a thread,
-        # four threads a 64-byte row segment) and casts and stores them 64 columns at a time, while the
-        # MMA warps work on the other slot. (Loading a tile ahead and carrying the bytes across the loop
-        # makes LLVM keep every byte in a register of its own: 4.5 KB of spills.)
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-                             layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        for t in range(n_tiles):
-            slot = t % STAGES
-            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+                         layout, BLOCK_N, PAGE_SIZE, SPARSE)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        if KV_FP8:
             if DEBUG != 2:
-                # All nine loads first: Triton puts a barrier between the chunk stores, which would
-                # otherwise hold each chunk's load back until the previous chunk is stored.
                 xs = _load_chunks(row, ok, cols)
                 for c in gl.static_range(8):
                     k_lat.index(slot).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
                 k_rope.index(slot).store(xs[8].to(gl.float16))
                 fence_async_shared()
             mbarrier.arrive(full_bars.index(slot))
-            row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    else:
-        # 8 16-bit values (16 bytes) a thread; a warp copies four 128-byte row segments at a time.
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
-        row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-                             layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        for t in range(n_tiles):
-            slot = t % STAGES
-            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        else:
             if DEBUG != 2:
                 _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout)
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-            row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                             stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
 
 
 @gluon.jit

@@ -439,19 +439,26 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
 
     fp16_math = params.fp16_math and kv_cast and q.dtype == torch.bfloat16
-    m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
+    # The arguments both stage-1 kernels take, in their order (hopper.py copies kernel.py's signature); the
+    # Hopper kernel always multiplies an FP8 cache in fp16 with the query scaled by Q_FP16_SCALE.
+    q_scale = Q_FP16_SCALE if fp16_math or (params.warp_specialized and kv_cache.dtype == torch.float8_e4m3fn) else 1.0
+    args = (q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst,
+            sm_scale * LOG2E, scale_value, q_scale,
+            q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
+    grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
+    common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
+                  KV_SCALE_IS_PTR=scale_is_ptr)
     if params.warp_specialized:
-        compiled = _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst,
-                                  sm_scale=sm_scale, scale_value=scale_value, tk_strides=tk_strides,
-                                  o_strides=o_strides, l_strides=l_strides, topk=topk, split_items=split_items,
-                                  grid=(m_blocks, batch, splits), params=params, scale_is_ptr=scale_is_ptr,
-                                  sparse=sparse)
+        compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params)
     else:
-        compiled = _launch_tl(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst,
-                              sm_scale=sm_scale, scale_value=scale_value, tk_strides=tk_strides,
-                              o_strides=o_strides, l_strides=l_strides, topk=topk, split_items=split_items,
-                              grid=(m_blocks, batch, splits), params=params, scale_is_ptr=scale_is_ptr,
-                              fp16_math=fp16_math, workspace=workspace, sparse=sparse)
+        compiled = _mla_split_kernel[grid](
+            *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,
+            DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
+            HOIST_PAGES=params.hoist_pages, FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
+            p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
+            num_warps=params.num_warps, num_stages=params.num_stages,
+            **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
     if splits > 1:
         o_part, lse_part = workspace.o_part, workspace.lse_part
         _mla_combine_kernel[(q_len * num_heads, batch)](
@@ -466,8 +473,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     return compiled
 
 
-def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst, *, sm_scale, scale_value,
-                   tk_strides, o_strides, l_strides, topk, split_items, grid, params, scale_is_ptr, sparse):
+def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams):
     """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`)."""
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
@@ -475,43 +481,6 @@ def _launch_hopper(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_ds
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     return hopper._mla_hopper_kernel[grid](
-        q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
-        o_dst, l_dst,
-        sm_scale * LOG2E, scale_value, Q_FP16_SCALE if kv_fp8 else 1.0,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        *tk_strides,
-        *o_strides, *l_strides,
-        q.shape[2], topk, split_items,
-        Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], BLOCK_N=params.block_n, STAGES=params.num_stages,
-        SPARSE=sparse, KV_FP8=kv_fp8, KV_SCALE_IS_PTR=scale_is_ptr,
+        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG,
-    )
-
-
-def _launch_tl(q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst, *, sm_scale, scale_value,
-               tk_strides, o_strides, l_strides, topk, split_items, grid, params, scale_is_ptr, fp16_math,
-               workspace, sparse):
-    """Stage 1 on the `tl` kernel (`kernel.py`)."""
-    return _mla_split_kernel[grid](
-        q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr,
-        o_dst, l_dst,
-        sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        *tk_strides,
-        *o_strides, *l_strides,
-        q.shape[2], topk, split_items,
-        Q_LEN=q.shape[1], PAGE_SIZE=kv_cache.shape[1], D_LATENT=D_LATENT, D_ROPE=D_ROPE,
-        BLOCK_H=params.block_h, BLOCK_N=params.block_n,
-        SPARSE=sparse, KV_CAST=kv_cache.dtype != q.dtype, KV_SCALE_IS_PTR=scale_is_ptr,
-        DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
-        HOIST_PAGES=params.hoist_pages,
-        FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
-        p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
-        num_warps=params.num_warps, num_stages=params.num_stages,
-        **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}),
-    )
+        num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG)
