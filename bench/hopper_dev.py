@@ -2,7 +2,7 @@
 
 Same process, same inputs (uniform lengths, as in the official grid, unless --ragged), every output
 checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies, bench/triton_dev.py).
-Each candidate is a `Tile` with `warp_specialized=True`; its splits come from the same split model as the
+Each candidate is `HOPPER_TILE` (optionally with another minimum split), timed on BF16 or FP8 shapes; its splits come from the same split model as the
 shipped tiles (`params_from_tile` with the real lengths). Prints one line per (shape, kernel) and, per
 candidate, the geometric mean of its time over the shipped kernel's, with the worst shape.
 
@@ -28,7 +28,7 @@ from mla_tune.backends.problem import Problem, Shape  # noqa: E402
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
 from mla_tune.backends.triton_mla import hopper  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
-from mla_tune.backends.triton_mla.launch import HOPPER_TILES, default_params, params_from_tile  # noqa: E402
+from mla_tune.backends.triton_mla.launch import HOPPER_TILE, default_params, params_from_tile  # noqa: E402
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -37,9 +37,9 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8' or 'fp8:m256' -> (kind, Tile): `HOPPER_TILES[kind]` [with min_split_tokens 256]."""
+    """'16bit', 'fp8' or 'fp8:m256' -> (KV kind it is timed on, Tile): `HOPPER_TILE` [with min_split_tokens 256]."""
     kind, _, rest = spec.partition(":")
-    tile = HOPPER_TILES[kind]
+    tile = HOPPER_TILE
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, tile

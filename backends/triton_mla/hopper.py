@@ -24,7 +24,7 @@ it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring,
 216 KiB for two 64-token slots (`hopper_smem_bytes`); one program per SM. Slots of 32 tokens would leave
 room for more of them, but the score wgmma reads the query from shared memory at each of its 36 k-steps
-whatever the slot width, so per token they move twice the query bytes: BF16 32-token slots ran 1.5x
+whatever the slot width, so per token they move twice the query bytes: BF16 32-token slots ran 1.4-1.5x
 slower with the MMA warps alone, FP8 ones (with a cp.async staging ring) 1.28x slower overall (device
 call 39). A form in which each warpgroup scored the whole tile (no exchange, twice the score MMAs) ran up
 to 1.4x slower than the split one (call 38); bench/TRITON_NOTES.md, rounds 11-13.

@@ -43,7 +43,8 @@ D_ROPE = 64
 MAX_SPLITS = 64
 
 # The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+
-# (split_scores needs split_d; opaque_v_cast needs reload_v and fp16_math, and FP8 KV needs SM89+).
+# (split_scores needs split_d; opaque_v_cast needs reload_v and fp16_math, and FP8 KV needs SM89+),
+# except warp_specialized, which runs HOPPER_SHAPE only and on SM90 only.
 PARAM_SPACE = {
     "block_h": (16, 32, 64),
     "block_n": (16, 32, 64),
@@ -216,23 +217,20 @@ SPARSE_TILE_TABLE = {
     ("fp8", 128): (64, 64, 8, 2, True, 1, False, 64, 0, True),
 }
 
-# The warp-specialised Hopper kernel (`hopper.py`), per KV kind: 64 rows, 8 MMA warps with the scores
-# split between the two warpgroups, a ring of two 64-token slots, one program per SM. FP8 uses 64-token
-# slots too (its loader casts from registers): with 32-token slots and a staging ring the query's
-# shared-memory traffic per token doubles, and the kernel ran 1.28x slower (device call 39, A/B geomean
-# 1.006 against 0.788 of the tl tile).
-HOPPER_TILES = {
-    "16bit": Tile(*HOPPER_SHAPE[:2], *HOPPER_SHAPE[2:], False, 1, False, 128, warp_specialized=True),
-    "fp8": Tile(*HOPPER_SHAPE[:2], *HOPPER_SHAPE[2:], False, 1, False, 128, warp_specialized=True),
-}
+# The warp-specialised Hopper kernel (`hopper.py`) for both KV kinds: HOPPER_SHAPE, one program per SM
+# (per_sm 1 for the split model), splits of at least 128 tokens (256 and 512 changed nothing, call 41). FP8
+# uses 64-token slots too (its loader casts from registers): with 32-token slots and a staging ring the
+# query's shared-memory traffic per token doubles, and the kernel ran 1.28x slower (device call 39, A/B
+# geomean 1.006 against 0.788 of the tl tile).
+HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
 # (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, time ratio against the tl tile): BF16 64/128 heads
-# 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4 (but 1.08 at batch 4 kv 4k
-# in the official grid of call 40, so dense from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.80-0.95 from
+# 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4 (but batch 4 kv 4k ran 1.08x
+# the tl time in the official grid of call 40 against call 33, two processes, so dense from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.80-0.95 from
 # 64; FP8 32/64/128 heads 0.58-1.00 at every batch; FP8 16 heads dense 0.90-1.01 (mixed), sparse 0.88-0.90 from
-# 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200 (calls 40/43
-# against 33/36), so the 16-row tl tile keeps it.
+# 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200 (official
+# grid of call 43 against call 36), so the 16-row tl tile keeps it.
 HOPPER_MIN_BATCH = {
     ("16bit", 16): (None, 64), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
     ("fp8", 16): (None, 64), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
@@ -352,7 +350,7 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
     min_batch = HOPPER_MIN_BATCH[(kind, bucket)][1 if sparse else 0]
     short = max_items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
     if cc_major in HOPPER_CC_MAJORS and min_batch is not None and batch >= min_batch and not short:
-        return params_from_tile(HOPPER_TILES[kind], rows=rows, q_len=q_len, batch=batch, max_items=max_items,
+        return params_from_tile(HOPPER_TILE, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
                                 num_sms=num_sms, sparse=sparse, lengths=lengths)
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
         bucket = 16

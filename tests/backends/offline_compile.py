@@ -19,6 +19,23 @@ _POINTERS = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"
 _FLOATS = {"sm_scale_log2", "kv_scale", "q_scale"}
 
 
+def _signature(kernel, const: dict, pointers: dict, *, divisible_strides) -> tuple[dict, dict]:
+    """(signature, attrs) for `kernel`: constexprs, pointers (16-byte aligned), fp32 scales, i32 ints;
+    the strides `divisible_strides(name)` accepts get divisibility 16, as Triton's launcher would find them."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in const:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in _FLOATS else "i32"
+            if name.startswith("stride") and divisible_strides(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
                **flags) -> str:
     """PTX for sm_`arch` of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
@@ -29,17 +46,8 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
                  KV_CAST=fp8, KV_SCALE_IS_PTR=False, DOT_UPCAST=False, SPLIT_D=True, RELOAD_V=False,
                  p_scratch_ptr=None)
     const.update(flags)
-    signature, attrs = {}, {}
-    for i, name in enumerate(_mla_split_kernel.arg_names):
-        if name in const:
-            signature[name] = "constexpr"
-        elif name in _POINTERS or name == "kv_ptr":
-            signature[name] = "*fp8e4nv" if name == "kv_ptr" and fp8 else _POINTERS.get(name, "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name in _FLOATS else "i32"
-            if name.startswith("stride") and name != "stride_qh":
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    pointers = {**_POINTERS, "kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    signature, attrs = _signature(_mla_split_kernel, const, pointers, divisible_strides=lambda n: n != "stride_qh")
     source = ASTSource(_mla_split_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -66,17 +74,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
-    signature, attrs = {}, {}
-    for i, name in enumerate(_mla_hopper_kernel.arg_names):
-        if name in const:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name in _FLOATS else "i32"
-            if name.startswith("stride"):  # as Triton's launcher specialises them (all multiples of 16 here)
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": HOPPER_MMA_WARPS, "maxnreg": HOPPER_MAXNREG})

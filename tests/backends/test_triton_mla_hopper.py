@@ -78,6 +78,23 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
                 assert not default_params(**kwargs, cc_major=other).warp_specialized
 
 
+@pytest.mark.parametrize("heads,batch,items,kv_fp8,sparse,hopper", [
+    (64, 1, 4096, False, False, True),     # measured 0.98 of the tl time (call 39)
+    (64, 1, 1024, False, False, False),    # 1.45x slower in the official grids (short request, small batch)
+    (64, 64, 1024, False, False, True),    # short requests at batch 64 did not lose
+    (16, 128, 16384, False, False, False),  # dense BF16 16 heads: H200 6-13% slower
+    (32, 4, 16384, True, False, True),     # FP8 32 heads: 0.67 (call 40)
+    (16, 128, 2048, False, True, True),    # sparse BF16 16 heads from batch 64: 0.80
+    (16, 4, 2048, False, True, False),     # ... 1.04-1.12 at batch 4
+])
+def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, hopper):
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
+                            kv_fp8=kv_fp8, lengths=[items] * batch, cc_major=9)
+    assert params.warp_specialized == hopper, params
+
+
 def test_warp_specialized_launch_needs_a_gpu():
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
@@ -95,10 +112,9 @@ def _hopper() -> bool:
 
 
 def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False):
-    from mla_tune.backends.triton_mla.launch import HOPPER_TILES, params_from_tile
+    from mla_tune.backends.triton_mla.launch import HOPPER_TILE, params_from_tile
 
-    tile = HOPPER_TILES["fp8" if kv_dtype == "fp8_e4m3" else "16bit"]
-    return params_from_tile(tile, rows=heads if sparse else heads * q_len, q_len=q_len, batch=batch,
+    return params_from_tile(HOPPER_TILE, rows=heads if sparse else heads * q_len, q_len=q_len, batch=batch,
                             max_items=max_items, sparse=sparse, lengths=lengths,
                             num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
 
