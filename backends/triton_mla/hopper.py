@@ -45,6 +45,13 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # warpgroups (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
+# Development only (bench/hopper_dev.py A/Bs): FP8 loader variant. 0 = the tile's bytes loaded once its slot
+# is free; 1 = the next tile's bytes loaded as 32-bit words right after the current tile is stored, so they
+# are in flight while the loader waits for the slot.
+FP8_AHEAD = 0
+# Development only: 1 = row sums taken from `p` after its change to the `p @ v` operand layout, where each
+# warpgroup holds whole rows (no exchange of the sums between the warpgroups).
+OPERAND_SUMS = 0
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int) -> int:
@@ -111,6 +118,56 @@ def _load_chunks(row, ok, cols):
 
 
 @gluon.jit
+def _load_words(row, ok, cols):
+    """One FP8 tile's rows as nine `[rows, 16]` int32 register chunks (four e4m3 values a word); zeros where invalid."""
+    ptrs = row[:, None] + cols[None, :]
+    mask = ok[:, None]
+    return (gl.load(ptrs, mask=mask, other=0), gl.load(ptrs + 16, mask=mask, other=0),
+            gl.load(ptrs + 32, mask=mask, other=0), gl.load(ptrs + 48, mask=mask, other=0),
+            gl.load(ptrs + 64, mask=mask, other=0), gl.load(ptrs + 80, mask=mask, other=0),
+            gl.load(ptrs + 96, mask=mask, other=0), gl.load(ptrs + 112, mask=mask, other=0),
+            gl.load(ptrs + 128, mask=mask, other=0))
+
+
+@gluon.jit
+def _words_to_fp16(w):
+    """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word."""
+    a, b, c, d = gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+    x = gl.join(gl.join(a, b), gl.join(c, d))
+    return x.reshape(w.shape[0], 4 * w.shape[1])
+
+
+@gluon.jit
+def _load_partition_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                              k_lat, k_rope, full_bars, empty_bars,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                              SPARSE: gl.constexpr, DEBUG: gl.constexpr):
+    """FP8 loader that keeps the next tile in flight: its bytes (as 32-bit words, 72 registers a thread) are
+    loaded right after the current tile is stored, so they arrive while the loader waits for the next slot."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+                         layout, BLOCK_N, PAGE_SIZE, SPARSE)
+    xs = _load_words(row, ok & (DEBUG != 2), cols)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
+                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        if DEBUG != 2:
+            for c in gl.static_range(8):
+                k_lat.index(slot).slice(c * 64, 64, dim=1).store(_words_to_fp16(xs[c]))
+            k_rope.index(slot).store(_words_to_fp16(xs[8]))
+            fence_async_shared()
+        mbarrier.arrive(full_bars.index(slot))
+        xs = _load_words(row, ok & (DEBUG != 2), cols)
+
+
+@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
@@ -157,7 +214,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                   DEBUG: gl.constexpr):
+                   DEBUG: gl.constexpr, OPERAND_SUMS: gl.constexpr):
     """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
@@ -171,12 +228,16 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows_p: gl.constexpr = gl.SliceLayout(1, p_layout)
 
     qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
     visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
     acc = gl.zeros([ROWS, 512], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    if OPERAND_SUMS:
+        l_i = gl.zeros([ROWS], gl.float32, rows_p)
+    else:
+        l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if DEBUG == 1:  # measurement: hand every slot straight back
         for t in range(n_tiles):
@@ -206,11 +267,15 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - m_safe[:, None])
-        if DEBUG != 3:
-            l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        alpha_o = gl.convert_layout(alpha, rows_o)
+        if DEBUG != 3:
+            if OPERAND_SUMS:
+                l_i = l_i * gl.convert_layout(alpha_o, rows_p) + gl.sum(p_op.to(gl.float32), 1)
+            else:
+                l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * alpha_o[:, None]
         acc = warpgroup_mma(p_op, kl, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
@@ -224,6 +289,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     gl.store(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
              mask=(ok_o & store_o)[:, None] & (cols_o[None, :] < 512))
     qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+    l_i = gl.convert_layout(l_i, rows_s)
     lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
              lse, mask=ok_l)
@@ -243,7 +309,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
-    DEBUG: gl.constexpr = 0,
+    DEBUG: gl.constexpr = 0, FP8_AHEAD: gl.constexpr = 0, OPERAND_SUMS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -301,7 +367,10 @@ def _mla_hopper_kernel(
         (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                           pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                           kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                          stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
+                          stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, OPERAND_SUMS)),
+        (_load_partition_fp8_ahead, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                     stride_kvt, k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE,
+                                     SPARSE, DEBUG)) if KV_FP8 and FP8_AHEAD else
         (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                            k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                            DEBUG))],

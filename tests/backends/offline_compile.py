@@ -68,7 +68,10 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
         HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_MMA_WARPS, HOPPER_SHAPE)
 
     fp8 = kv == "fp8"
-    const = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=HOPPER_SHAPE[1], STAGES=HOPPER_SHAPE[3],
+    # constexprs without a value here take the kernel's defaults
+    const = {p.name: p.default for p in _mla_hopper_kernel.params
+             if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=HOPPER_SHAPE[1], STAGES=HOPPER_SHAPE[3],
                  SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
                  LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"])
     const.update(overrides)
