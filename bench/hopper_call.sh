@@ -13,7 +13,7 @@ NAME=${NAME:-h100}
   echo "# $(date -u +%Y-%m-%dT%H:%MZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   python3 -c "import torch, triton; print('# torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/env-$NAME.txt"
-for SMOKE_SWITCHES in "" ${SMOKE_VARIANTS:-}; do
+for SMOKE_SWITCHES in ${SMOKE_VARIANTS:-""}; do
 export SMOKE_SWITCHES
 timeout ${SMOKE_S:-150} python3 - <<'PY' 2>&1 | tee -a "$OUT/smoke-$NAME.txt"
 import sys, time
