@@ -136,7 +136,8 @@ def _words_to_fp16(w):
         "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
         "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
         "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
-    x = gl.join(gl.join(a, b), gl.join(c, d))
+    # `join` adds a last axis, so element [.., i, j] of this is (a, b, c, d)[2 i + j]: the word's byte order.
+    x = gl.join(gl.join(a, c), gl.join(b, d))
     return x.reshape(w.shape[0], 4 * w.shape[1])
 
 
