@@ -2,7 +2,7 @@
 # One device call for the warp-specialised Hopper kernel: install, smoke test under a timeout (a deadlocked
 # pipeline must not eat the call), same-process A/B against the shipped tl tiles, then the kernel's GPU tests.
 # Usage (device root): OUT=dir NAME=h100-call37 [GRID=1] AB_ARGS="..." [DEBUG_MODES="..."] TEST_K="..." \
-#   [SMOKE_VARIANTS="FP8_AHEAD=1,OPERAND_SUMS=1 ..."] bash bench/hopper_call.sh
+#   bash bench/hopper_call.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
@@ -13,20 +13,13 @@ NAME=${NAME:-h100}
   echo "# $(date -u +%Y-%m-%dT%H:%MZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   python3 -c "import torch, triton; print('# torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/env-$NAME.txt"
-for SMOKE_SWITCHES in ${SMOKE_VARIANTS:-""}; do
-export SMOKE_SWITCHES
-timeout ${SMOKE_S:-150} python3 - <<'PY' 2>&1 | tee -a "$OUT/smoke-$NAME.txt"
+timeout ${SMOKE_S:-150} python3 - <<'PY' 2>&1 | tee "$OUT/smoke-$NAME.txt"
 import sys, time
 sys.path.insert(0, "tests/backends")
 import torch
 from test_triton_mla import _run_case
 from test_triton_mla_hopper import _params
 from mla_tune.backends.problem import Problem, Shape
-from mla_tune.backends.triton_mla import hopper
-import os
-for name, value in (kv.split("=") for kv in os.environ.get("SMOKE_SWITCHES", "").split(",") if kv):
-    setattr(hopper, name, int(value))  # development switches of hopper.py (bench/hopper_dev.py's VARIANTS)
-    print("# smoke with", name, "=", value)
 cases = [("bf16", 64, 1, 64, None), ("fp8_e4m3", 64, 1, 64, None), ("bf16", 20, 2, 16, None),
          ("fp8_e4m3", 3, 2, 128, None), ("bf16", 128, 1, 1, 2048), ("fp8_e4m3", 16, 2, 64, 2048)]
 for kv, heads, q_len, page, topk in cases:
@@ -40,7 +33,6 @@ for kv, heads, q_len, page, topk in cases:
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
     print(kv, heads, q_len, page, topk, params.label(), r, f"{time.time() - t:.1f}s", flush=True)
 PY
-done
 if [ -n "${GRID:-}" ]; then  # the official grids with FlashInfer, on the shipped defaults
   timeout ${GRID_S:-400} bash bench/final_grid.sh "$NAME" 2>&1 | tail -30 | tee "$OUT/grid-summary-$NAME.txt"
 fi

@@ -36,35 +36,13 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
               "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)])}
 
 
-VARIANTS = ("FP8_AHEAD", "OPERAND_SUMS")  # development switches of hopper.py, 0 unless a candidate names them
-
-
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256' or 'fp8:ahead:sums' -> (KV kind it is timed on, Tile, {hopper.py switch: value}):
-    `HOPPER_TILE` [with min_split_tokens 256] [with FP8_AHEAD / OPERAND_SUMS set]."""
-    kind, *rest = spec.split(":")
-    tile, switches = HOPPER_TILE, dict.fromkeys(VARIANTS, 0)
-    for part in rest:
-        if part.startswith("m"):
-            tile = tile._replace(min_split_tokens=int(part[1:]))
-        elif part == "ahead":
-            switches["FP8_AHEAD"] = 1
-        elif part == "sums":
-            switches["OPERAND_SUMS"] = 1
-        else:
-            raise SystemExit(f"unknown candidate part {part!r} in {spec!r}")
-    return kind, tile, switches
-
-
-def with_switches(switches: dict, fn):
-    """`fn()` with hopper.py's development switches set (launches read them), reset afterwards."""
-    for name, value in switches.items():
-        setattr(hopper, name, value)
-    try:
-        return fn()
-    finally:
-        for name in switches:
-            setattr(hopper, name, 0)
+    """'16bit', 'fp8' or 'fp8:m256' -> (KV kind it is timed on, Tile): `HOPPER_TILE` [with min_split_tokens 256]."""
+    kind, _, rest = spec.partition(":")
+    tile = HOPPER_TILE
+    if rest.startswith("m"):
+        tile = tile._replace(min_split_tokens=int(rest[1:]))
+    return kind, tile
 
 
 def debug_time(case, adapter, mode: str) -> dict:
@@ -126,28 +104,27 @@ def main():
                                    sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
         base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
-        for i, (ckind, tile, switches) in enumerate(cands):
+        for i, (ckind, tile) in enumerate(cands):
             if ckind != kind:
                 continue
             params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
                                       num_sms=sms, sparse=bool(topk), lengths=case.lengths)
-            r = with_switches(switches, lambda: debug_time(case, adapter_cls(params), args.debug) if args.debug
-                              else check_and_time(case, adapter_cls(params)))
+            r = debug_time(case, adapter_cls(params), args.debug) if args.debug else check_and_time(
+                case, adapter_cls(params))
             tag = ""
             if r["status"] == "ok" and base["status"] == "ok":
                 ratios[i].append((r["us"] / base["us"], case.label()))
                 tag = f"x{r['us'] / base['us']:.3f}"
-            on = "+".join(name.lower() for name, value in switches.items() if value)
-            log(fmt_line(case, "ws " + params.label() + (f" {on}" if on else ""), r, roof, tag))
+            log(fmt_line(case, "ws " + params.label(), r, roof, tag))
         if args.fa3:
             from mla_tune.backends.flashinfer_mla import FlashInferFA3, FlashInferFA3Sparse
             r = check_and_time(case, (FlashInferFA3Sparse if topk else FlashInferFA3)())
             log(fmt_line(case, "fa3", r, roof))
         case.free()
     firsts = {}  # KV kind -> index of its first candidate, the reference of the "vs first" line
-    for i, (kind, _, _) in enumerate(cands):
+    for i, (kind, _) in enumerate(cands):
         firsts.setdefault(kind, i)
-    for i, (kind, tile, switches) in enumerate(cands):
+    for i, (kind, tile) in enumerate(cands):
         rs = ratios[i]
         first = dict((label, x) for x, label in ratios[firsts[kind]])
         vs_first = [(x / first[label], label) for x, label in rs if label in first]

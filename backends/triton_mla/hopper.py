@@ -13,8 +13,9 @@ different warps. Here they are different warps:
   e4m3 bytes into registers once the slot is free, casts them to fp16 and stores them, so the cast never
   sits on the MMA warps' path (a staging ring for `cp.async` does not fit beside 64-token slots);
 - two MMA warpgroups (one 8-warp partition) hold the 64 query rows in shared memory and, per tile,
-  compute the scores with `wgmma` (each warpgroup half the tile's tokens), the online softmax (row max
-  and sum across both halves, through shared memory) and `p @ v` (p from registers, each warpgroup 256
+  compute the scores with `wgmma` (each warpgroup half the tile's tokens), the online softmax (the row max
+  across both halves through shared memory; the row sums from p once it is in the `p @ v` operand
+  layout, where each warpgroup holds whole rows) and `p @ v` (p from registers, each warpgroup 256
   of the 512 output columns), then hand the slot back.
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
@@ -41,17 +42,10 @@ ROWS = gl.constexpr(64)        # query rows per program: one wgmma M block, shar
 LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 
 # Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
-# back), 2 = the MMA warps alone (the loader copies nothing), 3 = no row max / row sum across the
-# warpgroups (wrong results). 0 in production.
+# back), 2 = the MMA warps alone (the loader copies nothing), 3 = no row max across the warpgroups and no
+# row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
-# Development only (bench/hopper_dev.py A/Bs): FP8 loader variant. 0 = the tile's bytes loaded once its slot
-# is free; 1 = the next tile's bytes loaded as 32-bit words right after the current tile is stored, so they
-# are in flight while the loader waits for the slot.
-FP8_AHEAD = 0
-# Development only: 1 = row sums taken from `p` after its change to the `p @ v` operand layout, where each
-# warpgroup holds whole rows (no exchange of the sums between the warpgroups).
-OPERAND_SUMS = 0
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int) -> int:
@@ -118,57 +112,6 @@ def _load_chunks(row, ok, cols):
 
 
 @gluon.jit
-def _load_words(row, ok, cols):
-    """One FP8 tile's rows as nine `[rows, 16]` int32 register chunks (four e4m3 values a word); zeros where invalid."""
-    ptrs = row[:, None] + cols[None, :]
-    mask = ok[:, None]
-    return (gl.load(ptrs, mask=mask, other=0), gl.load(ptrs + 16, mask=mask, other=0),
-            gl.load(ptrs + 32, mask=mask, other=0), gl.load(ptrs + 48, mask=mask, other=0),
-            gl.load(ptrs + 64, mask=mask, other=0), gl.load(ptrs + 80, mask=mask, other=0),
-            gl.load(ptrs + 96, mask=mask, other=0), gl.load(ptrs + 112, mask=mask, other=0),
-            gl.load(ptrs + 128, mask=mask, other=0))
-
-
-@gluon.jit
-def _words_to_fp16(w):
-    """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word."""
-    a, b, c, d = gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
-        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-        "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
-    # `join` adds a last axis, so element [.., i, j] of this is (a, b, c, d)[2 i + j]: the word's byte order.
-    x = gl.join(gl.join(a, c), gl.join(b, d))
-    return x.reshape(w.shape[0], 4 * w.shape[1])
-
-
-@gluon.jit
-def _load_partition_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                              k_lat, k_rope, full_bars, empty_bars,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                              SPARSE: gl.constexpr, DEBUG: gl.constexpr):
-    """FP8 loader that keeps the next tile in flight: its bytes (as 32-bit words, 72 registers a thread) are
-    loaded right after the current tile is stored, so they arrive while the loader waits for the next slot."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
-                         layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    xs = _load_words(row, ok & (DEBUG != 2), cols)
-    for t in range(n_tiles):
-        slot = t % STAGES
-        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
-                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-        if DEBUG != 2:
-            for c in gl.static_range(8):
-                k_lat.index(slot).slice(c * 64, 64, dim=1).store(_words_to_fp16(xs[c]))
-            k_rope.index(slot).store(_words_to_fp16(xs[8]))
-            fence_async_shared()
-        mbarrier.arrive(full_bars.index(slot))
-        xs = _load_words(row, ok & (DEBUG != 2), cols)
-
-
-@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
@@ -215,7 +158,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                   DEBUG: gl.constexpr, OPERAND_SUMS: gl.constexpr):
+                   DEBUG: gl.constexpr):
     """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
@@ -235,10 +178,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
     acc = gl.zeros([ROWS, 512], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
-    if OPERAND_SUMS:
-        l_i = gl.zeros([ROWS], gl.float32, rows_p)
-    else:
-        l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, rows_p)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if DEBUG == 1:  # measurement: hand every slot straight back
         for t in range(n_tiles):
@@ -272,10 +212,9 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
         alpha_o = gl.convert_layout(alpha, rows_o)
         if DEBUG != 3:
-            if OPERAND_SUMS:
-                l_i = l_i * gl.convert_layout(alpha_o, rows_p) + gl.sum(p_op.to(gl.float32), 1)
-            else:
-                l_i = l_i * alpha + gl.sum(p, 1)
+            # Row sums from p in the `p @ v` operand layout, where each warpgroup holds whole rows: no exchange
+            # between the warpgroups (the sums are of the rounded p that `p @ v` multiplies).
+            l_i = l_i * gl.convert_layout(alpha_o, rows_p) + gl.sum(p_op.to(gl.float32), 1)
         acc = acc * alpha_o[:, None]
         acc = warpgroup_mma(p_op, kl, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -310,7 +249,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
-    DEBUG: gl.constexpr = 0, FP8_AHEAD: gl.constexpr = 0, OPERAND_SUMS: gl.constexpr = 0,
+    DEBUG: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -368,10 +307,7 @@ def _mla_hopper_kernel(
         (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                           pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                           kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                          stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, OPERAND_SUMS)),
-        (_load_partition_fp8_ahead, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                     stride_kvt, k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE,
-                                     SPARSE, DEBUG)) if KV_FP8 and FP8_AHEAD else
+                          stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
         (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                            k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                            DEBUG))],

@@ -36,7 +36,7 @@ from mla_tune.backends.triton_mla.kernel import (
 HOPPER_SHAPE = (64, 64, 8, 2)
 HOPPER_MMA_WARPS = 8
 HOPPER_MAXNREG = 168
-HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120}
+HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
 
 D_LATENT = 512
 D_ROPE = 64
@@ -478,9 +478,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    ahead = kv_fp8 and bool(hopper.FP8_AHEAD)
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8,
-        LOAD_REGS=HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        FP8_AHEAD=int(ahead), OPERAND_SUMS=hopper.OPERAND_SUMS,
+        LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
         num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG)
