@@ -225,15 +225,16 @@ SPARSE_TILE_TABLE = {
 HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
-# (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, time ratio against the tl tile): BF16 64/128 heads
-# 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4 (but batch 4 kv 4k ran 1.08x
-# the tl time in the official grid of call 40 against call 33, two processes, so dense from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.80-0.95 from
-# 64; FP8 32/64/128 heads 0.58-1.00 at every batch; FP8 16 heads dense 0.90-1.01 (mixed), sparse 0.88-0.90 from
-# 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200 (official
-# grid of call 43 against call 36), so the 16-row tl tile keeps it.
+# (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, hopper_ab_h16_sparse_h100_call54.txt; time ratio against
+# the tl tile): BF16 64/128 heads 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4
+# (but batch 4 kv 4k ran 1.08x the tl time in the official grid of call 40 against call 33, two processes, so dense
+# from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.955 at batch 16 (call 54), 0.80-0.95 from 64; FP8 32/64/128
+# heads 0.58-1.00 at every batch; FP8 16 heads dense 0.90-1.01 (mixed), sparse 0.855 at batch 16 (call 54) and
+# 0.88-0.90 from 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200
+# (official grid of call 43 against call 36), so the 16-row tl tile keeps it.
 HOPPER_MIN_BATCH = {
-    ("16bit", 16): (None, 64), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
-    ("fp8", 16): (None, 64), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
+    ("16bit", 16): (None, 16), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
+    ("fp8", 16): (None, 16), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
 }
 # Short requests at small batches stay on the tl tiles: below HOPPER_SHORT_BATCH requests, a batch whose
 # longest request is shorter than HOPPER_MIN_ITEMS tokens (or top-k slots) gives the warp-specialised kernel

@@ -85,6 +85,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (16, 128, 16384, False, False, False),  # dense BF16 16 heads: H200 6-13% slower
     (32, 4, 16384, True, False, True),     # FP8 32 heads: 0.67 (call 40)
     (16, 128, 2048, False, True, True),    # sparse BF16 16 heads from batch 64: 0.80
+    (16, 16, 2048, False, True, True),     # ... 0.955 at batch 16 (call 54)
     (16, 4, 2048, False, True, False),     # ... 1.04-1.12 at batch 4
 ])
 def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, hopper):
