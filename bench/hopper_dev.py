@@ -121,6 +121,7 @@ def main():
             r = check_and_time(case, (FlashInferFA3Sparse if topk else FlashInferFA3)())
             log(fmt_line(case, "fa3", r, roof))
         case.free()
+    names = args.candidates.split(",")
     firsts = {}  # KV kind -> index of its first candidate, the reference of the "vs first" line
     for i, (kind, _) in enumerate(cands):
         firsts.setdefault(kind, i)
@@ -129,15 +130,17 @@ def main():
         first = dict((label, x) for x, label in ratios[firsts[kind]])
         vs_first = [(x / first[label], label) for x, label in rs if label in first]
         if vs_first and i != firsts[kind]:
-            gm = math.exp(sum(math.log(x) for x, _ in vs_first) / len(vs_first))
-            log(f"# {args.candidates.split(',')[i]}: time / {args.candidates.split(',')[firsts[kind]]} geomean {gm:.3f} "
-                f"over {len(vs_first)} shapes, best {min(vs_first)[0]:.3f} ({min(vs_first)[1]}), "
-                f"worst {max(vs_first)[0]:.3f} ({max(vs_first)[1]})")
+            log(f"# {names[i]}: time / {names[firsts[kind]]} {ratio_summary(vs_first)}")
         if rs:
-            gm = math.exp(sum(math.log(x) for x, _ in rs) / len(rs))
-            worst = max(rs)
-            log(f"# {args.candidates.split(',')[i]} {tuple(tile)}: time / shipped geomean {gm:.3f} over {len(rs)} shapes, "
-                f"best {min(rs)[0]:.3f}, worst {worst[0]:.3f} ({worst[1]})")
+            log(f"# {names[i]} {tuple(tile)}: time / shipped {ratio_summary(rs)}")
+
+
+def ratio_summary(ratios: list) -> str:
+    """'geomean G over N shapes, best B (shape), worst W (shape)' of (time ratio, shape label) pairs."""
+    gm = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+    (best, best_label), (worst, worst_label) = min(ratios), max(ratios)
+    return (f"geomean {gm:.3f} over {len(ratios)} shapes, best {best:.3f} ({best_label}), "
+            f"worst {worst:.3f} ({worst_label})")
 
 
 if __name__ == "__main__":

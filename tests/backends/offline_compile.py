@@ -19,6 +19,11 @@ _POINTERS = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32"
 _FLOATS = {"sm_scale_log2", "kv_scale", "q_scale"}
 
 
+def _constexpr_defaults(kernel) -> dict:
+    """The kernel's constexprs that have a default, with it (a compile must not leave one as a runtime i32)."""
+    return {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+
+
 def _signature(kernel, const: dict, pointers: dict, *, divisible_strides) -> tuple[dict, dict]:
     """(signature, attrs) for `kernel`: constexprs, pointers (16-byte aligned), fp32 scales, i32 ints;
     the strides `divisible_strides(name)` accepts get divisibility 16, as Triton's launcher would find them."""
@@ -39,9 +44,7 @@ def _signature(kernel, const: dict, pointers: dict, *, divisible_strides) -> tup
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
                **flags) -> str:
     """PTX for sm_`arch` of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
-    # constexprs without a value here take the kernel's defaults
-    const = {p.name: p.default for p in _mla_split_kernel.params
-             if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    const = _constexpr_defaults(_mla_split_kernel)
     const.update(Q_LEN=1, PAGE_SIZE=64, D_LATENT=512, D_ROPE=64, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=False,
                  KV_CAST=fp8, KV_SCALE_IS_PTR=False, DOT_UPCAST=False, SPLIT_D=True, RELOAD_V=False,
                  p_scratch_ptr=None)
@@ -68,9 +71,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
         HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_MMA_WARPS, HOPPER_SHAPE)
 
     fp8 = kv == "fp8"
-    # constexprs without a value here take the kernel's defaults
-    const = {p.name: p.default for p in _mla_hopper_kernel.params
-             if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=HOPPER_SHAPE[1], STAGES=HOPPER_SHAPE[3],
                  SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
                  LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"])
