@@ -125,7 +125,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     stores, which would otherwise hold each chunk's load back until the previous chunk is stored), then
     cast to fp16 and stored while the MMA warps work on the other slot. (Loading an FP8 tile ahead and
     carrying the bytes across the loop makes LLVM keep every byte in a register of its own: 4.5 KB of
-    spills.)
+    spills. Carried as 32-bit words it did not spill, but ran 1.7% slower, up to 11% at 64 heads: device
+    call 48, bench/TRITON_NOTES.md round 16.)
     """
     if KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])

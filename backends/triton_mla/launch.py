@@ -230,7 +230,7 @@ HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 # (but batch 4 kv 4k ran 1.08x the tl time in the official grid of call 40 against call 33, two processes, so dense
 # from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.955 at batch 16 (call 54), 0.80-0.95 from 64; FP8 32/64/128
 # heads 0.58-1.00 at every batch; FP8 16 heads dense 0.90-1.01 (mixed), sparse 0.855 at batch 16 (call 54) and
-# 0.88-0.90 from 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200
+# 0.88-0.91 from 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200
 # (official grid of call 43 against call 36), so the 16-row tl tile keeps it.
 HOPPER_MIN_BATCH = {
     ("16bit", 16): (None, 16), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
@@ -437,12 +437,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
         l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
 
-    fp16_math = params.fp16_math and kv_cast and q.dtype == torch.bfloat16
-    # The arguments both stage-1 kernels take, in their order (hopper.py copies kernel.py's signature); the
-    # Hopper kernel always multiplies an FP8 cache in fp16 with the query scaled by Q_FP16_SCALE.
-    q_scale = Q_FP16_SCALE if fp16_math or (params.warp_specialized and kv_cache.dtype == torch.float8_e4m3fn) else 1.0
+    # FP8 tiles multiplied in fp16, the bf16 query scaled by Q_FP16_SCALE first (kernel._load_q): the tl kernel
+    # where params.fp16_math says so, the Hopper kernel always (an fp16 query needs no scale).
+    fp16_math = kv_cast and q.dtype == torch.bfloat16 and (params.fp16_math or params.warp_specialized)
+    # The arguments both stage-1 kernels take, in their order (hopper.py copies kernel.py's signature).
     args = (q, kv_cache, block_table, seq_lens, topk_ptr, scale_ptr, o_dst, l_dst,
-            sm_scale * LOG2E, scale_value, q_scale,
+            sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
             q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
     grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
