@@ -2,7 +2,7 @@
 
 Same process, same inputs (uniform lengths, as in the official grid, unless --ragged), every output
 checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies, bench/triton_dev.py).
-Each candidate is `HOPPER_TILE` (optionally with another minimum split), timed on BF16 or FP8 shapes; its splits come from the same split model as the
+Each candidate is `HOPPER_TILE` (optionally with another minimum split, or the narrow form), timed on BF16 or FP8 shapes; its splits come from the same split model as the
 shipped tiles (`params_from_tile` with the real lengths). Prints one line per (shape, kernel) and, per
 candidate, the geometric mean of its time over the shipped kernel's, with the worst shape.
 
@@ -28,7 +28,8 @@ from mla_tune.backends.problem import Problem, Shape  # noqa: E402
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
 from mla_tune.backends.triton_mla import hopper  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
-from mla_tune.backends.triton_mla.launch import HOPPER_TILE, default_params, params_from_tile  # noqa: E402
+from mla_tune.backends.triton_mla.launch import (  # noqa: E402
+    HOPPER_TILE, HOPPER_TILES, default_params, params_from_tile, rows_bucket)
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -37,12 +38,15 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8' or 'fp8:m256' -> (KV kind it is timed on, Tile): `HOPPER_TILE` [with min_split_tokens 256]."""
+    """'16bit', 'fp8', 'fp8:m256' or 'fp8:narrow' -> (KV kind it is timed on, rows bucket -> Tile or None):
+    `HOPPER_TILE` [with min_split_tokens 256], or the narrow form for 16 and 32 rows (None above)."""
     kind, _, rest = spec.partition(":")
+    if rest == "narrow":
+        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None
     tile = HOPPER_TILE
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
-    return kind, tile
+    return kind, lambda bucket: tile
 
 
 def debug_time(case, adapter, mode: str) -> dict:
@@ -104,8 +108,9 @@ def main():
                                    sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
         base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
-        for i, (ckind, tile) in enumerate(cands):
-            if ckind != kind:
+        for i, (ckind, tile_for) in enumerate(cands):
+            tile = tile_for(rows_bucket(heads))
+            if ckind != kind or tile is None:
                 continue
             params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
                                       num_sms=sms, sparse=bool(topk), lengths=case.lengths)
@@ -125,14 +130,14 @@ def main():
     firsts = {}  # KV kind -> index of its first candidate, the reference of the "vs first" line
     for i, (kind, _) in enumerate(cands):
         firsts.setdefault(kind, i)
-    for i, (kind, tile) in enumerate(cands):
+    for i, (kind, tile_for) in enumerate(cands):
         rs = ratios[i]
         first = dict((label, x) for x, label in ratios[firsts[kind]])
         vs_first = [(x / first[label], label) for x, label in rs if label in first]
         if vs_first and i != firsts[kind]:
             log(f"# {names[i]}: time / {names[firsts[kind]]} {ratio_summary(vs_first)}")
         if rs:
-            log(f"# {names[i]} {tuple(tile)}: time / shipped {ratio_summary(rs)}")
+            log(f"# {names[i]}: time / tl tiles {ratio_summary(rs)}")
 
 
 def ratio_summary(ratios: list) -> str:

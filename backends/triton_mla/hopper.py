@@ -48,22 +48,24 @@ DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int) -> int:
-    """Shared memory of one program (without Triton's few KiB of reduction scratch)."""
-    return ROWS.value * 576 * 2 + stages * block_n * 576 * 2
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64) -> int:
+    """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and
+    (narrow form) `p`."""
+    return rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if rows < ROWS.value else 0)
 
 
 @gluon.jit
-def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr):
-    """(query token, head, valid) of the program's 64 rows, in `layout`."""
-    rows = gl.arange(0, ROWS, layout=layout)
+def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
+          N_ROWS: gl.constexpr = ROWS):
+    """(query token, head, valid) of the program's `N_ROWS` rows, in `layout`."""
+    rows = gl.arange(0, N_ROWS, layout=layout)
     if SPARSE:
-        head_blocks = gl.cdiv(num_heads, ROWS)
-        h = (pid_m % head_blocks) * ROWS + rows
+        head_blocks = gl.cdiv(num_heads, N_ROWS)
+        h = (pid_m % head_blocks) * N_ROWS + rows
         qi = pid_m // head_blocks + rows * 0
         ok = h < num_heads
     else:
-        r = pid_m * ROWS + rows
+        r = pid_m * N_ROWS + rows
         qi = r // num_heads
         h = r % num_heads
         ok = r < Q_LEN * num_heads
@@ -115,8 +117,9 @@ def _load_chunks(row, ok, cols):
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr):
-    """The loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it.
+                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
+    """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
+    `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
     BF16/FP16: `cp.async` straight into the slot, 8 values (16 bytes) a thread, a warp four 128-byte row
     segments at a time; each thread's `cp.async.mbarrier.arrive.noinc` completes the slot's barrier. FP8:
@@ -133,9 +136,9 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     else:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+    row, ok = _tile_rows(start + FIRST * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    for t in range(n_tiles):
+    for t in range(FIRST, n_tiles, STRIDE):
         slot = t % STAGES
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
@@ -150,7 +153,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             if DEBUG != 2:
                 _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout)
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+        row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                              stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
 
 
@@ -237,6 +240,76 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
 
 
 @gluon.jit
+def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                          pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
+                          stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
+                          N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
+                          SPARSE: gl.constexpr, DEBUG: gl.constexpr):
+    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
+    `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
+    in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
+    MMA (the wide kernel's form); here each MMA does only the rows there are, and the softmax (over the
+    tokens, dim 0) needs no exchange with another warpgroup.
+    """
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, N_ROWS, 16])
+    toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE, N_ROWS)
+    visible_len = seq_len - Q_LEN + 1 + qi
+    acc = gl.zeros([512, N_ROWS], gl.float32, s_layout)
+    m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([N_ROWS], gl.float32, rows_s)
+    zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
+    if DEBUG == 1:  # measurement: hand every slot straight back
+        for t in range(n_tiles):
+            mbarrier.wait(full_bars.index(t % STAGES), (t // STAGES) & 1)
+            mbarrier.arrive(empty_bars.index(t % STAGES))
+    for t in range(n_tiles if DEBUG != 1 else 0):
+        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=toks_s)
+        if SPARSE:
+            pos = gl.load(topk_row + offs, mask=offs < end, other=-1)
+            ok = (offs < end) & (pos >= 0) & (pos < seq_len)
+        else:
+            pos = offs
+            ok = offs < end
+        slot = t % STAGES
+        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
+        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        kl = k_lat.index(slot)
+        s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 0)  # the sums of the rounded p that `p @ v` multiplies
+        p_smem.permute((1, 0)).store(p)
+        fence_async_shared()
+        acc = acc * alpha[None, :]
+        acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(slot))
+
+    # Epilogue: the partial (or final) output, transposed (each lane's values of one row are 8 columns apart
+    # from its neighbours', so the stores still fill 32-byte sectors), and the LSE.
+    qi, h, ok = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE, N_ROWS)
+    cols = gl.arange(0, 512, layout=toks_s)
+    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
+    inv_l = gl.where(l_i > 0.0, out_scale / gl.where(l_i > 0.0, l_i, 1.0), 0.0)
+    gl.store(o_row[None, :] + cols[:, None], (acc * inv_l[None, :]).to(o_ptr.dtype.element_ty),
+             mask=(ok & store_o)[None, :] & (cols[:, None] < 512))
+    lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
+             lse, mask=ok)
+
+
+@gluon.jit
 def _mla_hopper_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
@@ -250,7 +323,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
-    DEBUG: gl.constexpr = 0,
+    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -258,7 +331,7 @@ def _mla_hopper_kernel(
     seq_len = gl.load(seq_lens_ptr + b)
     if SPARSE:
         n_items = topk
-        topk_row = topk_ptr + b.to(gl.int64) * stride_tkb + (pid_m // gl.cdiv(num_heads, ROWS)) * stride_tkt
+        topk_row = topk_ptr + b.to(gl.int64) * stride_tkb + (pid_m // gl.cdiv(num_heads, N_ROWS)) * stride_tkt
     else:
         n_items = seq_len
         topk_row = topk_ptr
@@ -277,10 +350,10 @@ def _mla_hopper_kernel(
     # The query into shared memory, once (FP8: scaled by q_scale, then rounded to fp16).
     mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_lat = gl.allocate_shared_memory(mma_dtype, [ROWS, 512], smem_layout)
-    q_rope = gl.allocate_shared_memory(mma_dtype, [ROWS, 64], smem_layout)
+    q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
+    q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, q_layout), Q_LEN, SPARSE)
+    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, q_layout), Q_LEN, SPARSE, N_ROWS)
     q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
     for c in gl.static_range(9):
@@ -303,13 +376,29 @@ def _mla_hopper_kernel(
         mbarrier.init(empty_bars.index(i), count=1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
-    # (The argument tuples are written out in the call: a tuple bound to a name loses its constexprs.)
-    gl.warp_specialize([
-        (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                          pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                          kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                          stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
-        (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                           k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                           DEBUG))],
-        [LOAD_WARPS], [LOAD_REGS])
+    # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
+    if N_ROWS < ROWS:
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
+        gl.warp_specialize([
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG, 0, 2)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG, 1, 2))],
+            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
+                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG))],
+            [LOAD_WARPS], [LOAD_REGS])

@@ -34,7 +34,9 @@ from mla_tune.backends.triton_mla.kernel import (
 # warps, 2 slots; plus a 4-warp loader. Launched at `maxnreg` 168 registers (12 warps x 32 x 168 fits the
 # SM's 64 Ki registers); `setmaxnreg` then gives the loader LOAD_REGS and the MMA warps the rest (208/200).
 HOPPER_SHAPE = (64, 64, 8, 2)
-HOPPER_MMA_WARPS = 8
+# Its narrow form for 16 or 32 rows: one MMA warpgroup with the products transposed (tokens on wgmma's M),
+# two loader warpgroups (one per slot); 12 warps as well.
+HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
 
@@ -122,9 +124,10 @@ class LaunchParams:
             if tl_only:
                 raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
             shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
-            if shape != HOPPER_SHAPE:
-                raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = {HOPPER_SHAPE} "
-                                 f"only (227 KiB of shared memory), got {shape}")
+            if shape not in HOPPER_SHAPES.values():
+                raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
+                                 f"{' or '.join(map(str, HOPPER_SHAPES.values()))} only (227 KiB of shared memory), "
+                                 f"got {shape}")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -223,6 +226,8 @@ SPARSE_TILE_TABLE = {
 # query's shared-memory traffic per token doubles, and the kernel ran 1.28x slower (device call 39, A/B
 # geomean 1.006 against 0.788 of the tl tile).
 HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
+# The same for each rows bucket the kernel has a form for (16 and 32: the narrow one).
+HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2]) for rows, shape in HOPPER_SHAPES.items()}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
 # (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, hopper_ab_h16_sparse_h100_call54.txt; time ratio against
@@ -480,6 +485,6 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     return hopper._mla_hopper_kernel[grid](
-        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8,
+        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        num_warps=HOPPER_MMA_WARPS, maxnreg=HOPPER_MAXNREG)
+        num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)

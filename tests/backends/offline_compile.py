@@ -57,9 +57,9 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
     return compiled.asm["ptx"]
 
 
-def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64,
+def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    **overrides) -> tuple[str, int, str]:
-    """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a."""
+    """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program."""
     import subprocess
     import tempfile
 
@@ -67,21 +67,20 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
-    from mla_tune.backends.triton_mla.launch import (
-        HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_MMA_WARPS, HOPPER_SHAPE)
+    from mla_tune.backends.triton_mla.launch import HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPE, HOPPER_SHAPES
 
     fp8 = kv == "fp8"
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=HOPPER_SHAPE[1], STAGES=HOPPER_SHAPE[3],
                  SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
-                 LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"])
+                 LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"], N_ROWS=rows)
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": HOPPER_MMA_WARPS, "maxnreg": HOPPER_MAXNREG})
+                              options={"num_warps": HOPPER_SHAPES[rows][2], "maxnreg": HOPPER_MAXNREG})
     ptx = compiled.asm["ptx"]
     ptxas = triton.backends.nvidia.__path__[0] + "/bin/ptxas"
     with tempfile.TemporaryDirectory() as tmp:

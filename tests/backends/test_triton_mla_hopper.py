@@ -48,12 +48,31 @@ def test_hopper_kernel_compiles_for_sm90a(kv, sparse, q_len, page_size):
     assert _spill_bytes(report) <= 64, report
 
 
+@pytest.mark.parametrize("kv,sparse,q_len,rows", [
+    ("bf16", False, 1, 16), ("fp8", False, 1, 16), ("fp8", False, 2, 32), ("bf16", True, 1, 32), ("fp8", True, 2, 16)])
+def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+    from mla_tune.backends.triton_mla.launch import HOPPER_SHAPES
+
+    ptx, smem, report = hopper_compile(kv=kv, sparse=sparse, q_len=q_len, page_size=1 if sparse else 64, rows=rows)
+    block_n, stages = HOPPER_SHAPES[rows][1], HOPPER_SHAPES[rows][3]
+    assert hopper_smem_bytes(block_n=block_n, stages=stages, rows=rows) <= smem <= SMEM_LIMIT, smem
+    # per tile 36 score MMAs (k 576) and 8 x 4 for o^T = v^T p^T (m 512, k 64), n = the rows: none wasted
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)[^;]*, (\d), (\d);", ptx)
+    assert {shape for shape, _, _ in mmas} == {f"m64n{rows}k16"} and len(mmas) == 36 + 32, mmas[:3]
+    assert sum(tnsp_a == "1" for _, tnsp_a, _ in mmas) == 32, "v^T is the slot read transposed"
+    assert ptx.count("setmaxnreg.dec.sync.aligned.u32") >= 2, "two loader warpgroups hand registers back"
+    assert _spill_bytes(report) <= 64, report
+
+
 def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
     from mla_tune.backends.triton_mla import LaunchParams
 
     with pytest.raises(ValueError, match="does not take the tl kernel's split_d"):
         LaunchParams(block_h=64, block_n=64, num_warps=8, split_d=True, warp_specialized=True)
-    with pytest.raises(ValueError, match=r"runs \(block_h, block_n, num_warps, num_stages\) = \(64, 64, 8, 2\) only"):
+    with pytest.raises(ValueError, match=r"runs \(block_h, block_n, num_warps, num_stages\) = \(64, 64, 8, 2\) or "):
         LaunchParams(block_h=64, block_n=32, num_warps=8, num_stages=4, warp_specialized=True)
     assert LaunchParams(block_h=64, num_warps=8, block_n=64, warp_specialized=True).label().endswith("Wx1")
 
@@ -112,15 +131,22 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False):
-    from mla_tune.backends.triton_mla.launch import HOPPER_TILE, params_from_tile
+def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, form="wide"):
+    """The wide kernel's parameters (64 rows), or the narrow form's for the rows bucket (skips above 32 rows)."""
+    from mla_tune.backends.triton_mla.launch import HOPPER_TILE, HOPPER_TILES, params_from_tile, rows_bucket
 
-    return params_from_tile(HOPPER_TILE, rows=heads if sparse else heads * q_len, q_len=q_len, batch=batch,
-                            max_items=max_items, sparse=sparse, lengths=lengths,
-                            num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    rows = heads if sparse else heads * q_len
+    tile = HOPPER_TILE
+    if form == "narrow":
+        if rows > 32:
+            pytest.skip("the narrow form takes up to 32 rows")
+        tile = HOPPER_TILES[rows_bucket(rows)]
+    return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                            lengths=lengths, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+FORMS = ("wide", "narrow")  # 64 rows, two MMA warpgroups; up to 32 rows, one MMA warpgroup on transposed products
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised kernel needs an SM90 GPU")
 
 
@@ -130,10 +156,11 @@ hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised ker
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size, form):
     # lengths 1, 15, 16, 17, 1000, 0 (+ two long ones, so that requests split), permuted pages
     lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
-    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens)
+    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens, form=form)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, q_len=q_len)
     r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
     assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
@@ -144,12 +171,14 @@ def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
 @hopper_only
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("heads,batch,kv_len,q_len", [(16, 1, 32768, 1), (128, 2, 32768, 1), (64, 8, 4096, 1),
-                                                      (20, 33, 3000, 2), (128, 64, 1024, 2)])
-def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len):
+                                                      (20, 33, 3000, 2), (128, 64, 1024, 2), (16, 33, 3000, 2),
+                                                      (32, 64, 16384, 1)])
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len, form):
     from mla_tune.backends.inputs import ragged_lengths
 
     lens = ragged_lengths(Shape(batch, kv_len), page_size=64, min_len=q_len, seed=7)
-    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=kv_len, lengths=lens)
+    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=kv_len, lengths=lens, form=form)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, q_len=q_len)
     r = _run_case(problem, Shape(batch, kv_len), device="cuda", params=params)
     assert not r["nan"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
@@ -159,12 +188,13 @@ def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len):
 @hopper_only
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 2])
-@pytest.mark.parametrize("heads,page_size", [(3, 1), (16, 64), (20, 16), (64, 1), (128, 64)])
-def test_gpu_hopper_sparse_topk2048(kv_dtype, q_len, heads, page_size):
+@pytest.mark.parametrize("heads,page_size", [(3, 1), (16, 64), (20, 16), (32, 1), (64, 1), (128, 64)])
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_hopper_sparse_topk2048(kv_dtype, q_len, heads, page_size, form):
     # ragged lengths up to 2500: most requests have fewer than 2048 positions, so slots are -1 padded
     batch = 6
     params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=2048, lengths=[2048] * batch,
-                     sparse=True)
+                     sparse=True, form=form)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, topk=2048, q_len=q_len)
     r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
     assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
