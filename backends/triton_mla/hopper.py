@@ -46,6 +46,8 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
+# Measurement only (round 18 A/B): the narrow form's loaders, 1 (FP8: the staged loader) or 2 (one per slot).
+NARROW_LOADERS = 1
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64) -> int:
@@ -155,6 +157,69 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
         row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                              stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+
+
+@gluon.jit
+def _stage_half(stage, half: gl.constexpr, row, ok, cols):
+    """`cp.async` of one half tile's e4m3 rows (nine `[rows, 64]` chunks; zeros where invalid) into staging
+    half `half`, as one commit group."""
+    ptrs = row[:, None] + cols[None, :]
+    for c in gl.static_range(9):
+        async_copy.async_copy_global_to_shared(stage.index(half * 9 + c), ptrs + c * 64, mask=ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                           k_lat, k_rope, stage, full_bars, empty_bars,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                           SPARSE: gl.constexpr, DEBUG: gl.constexpr):
+    """The FP8 loader of the narrow form: the e4m3 bytes go to a staging ring of two half tiles with
+    `cp.async` (16 bytes a thread), one tile ahead of the casts, so the HBM reads do not wait for a free slot
+    (the register-staged loader has one tile in flight at a time). Per half: wait for its copies, load the
+    bytes (each thread reads back the bytes it copied, so no barrier between the loader's threads), cast
+    them to fp16, refill the staging half with the half one tile on, store the fp16 values into the slot.
+    """
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    HALF: gl.constexpr = BLOCK_N // 2
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+    for j in gl.static_range(2):
+        row, ok = _tile_rows(start + j * HALF, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+                             layout, HALF, PAGE_SIZE, SPARSE)
+        if DEBUG != 2:
+            _stage_half(stage, j, row, ok, cols)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        for j in gl.static_range(2):
+            # rows of the half one tile on (a lookup ahead of its copy, as in `_load_partition`)
+            row, ok = _tile_rows(start + (2 * t + 2 + j) * HALF, end, seq_len, topk_row, bt_row, kv_ptr,
+                                 stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
+            if DEBUG != 2:
+                async_copy.wait_group(1)  # this half's group; the other half's may still be in flight
+                x0 = stage.index(j * 9 + 0).load(layout).to(gl.float16)
+                x1 = stage.index(j * 9 + 1).load(layout).to(gl.float16)
+                x2 = stage.index(j * 9 + 2).load(layout).to(gl.float16)
+                x3 = stage.index(j * 9 + 3).load(layout).to(gl.float16)
+                x4 = stage.index(j * 9 + 4).load(layout).to(gl.float16)
+                x5 = stage.index(j * 9 + 5).load(layout).to(gl.float16)
+                x6 = stage.index(j * 9 + 6).load(layout).to(gl.float16)
+                x7 = stage.index(j * 9 + 7).load(layout).to(gl.float16)
+                x8 = stage.index(j * 9 + 8).load(layout).to(gl.float16)
+                _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
+                dst = k_lat.index(slot).slice(j * HALF, HALF, dim=0)
+                dst.slice(0, 64, dim=1).store(x0)
+                dst.slice(64, 64, dim=1).store(x1)
+                dst.slice(128, 64, dim=1).store(x2)
+                dst.slice(192, 64, dim=1).store(x3)
+                dst.slice(256, 64, dim=1).store(x4)
+                dst.slice(320, 64, dim=1).store(x5)
+                dst.slice(384, 64, dim=1).store(x6)
+                dst.slice(448, 64, dim=1).store(x7)
+                k_rope.index(slot).slice(j * HALF, HALF, dim=0).store(x8)
+        fence_async_shared()
+        mbarrier.arrive(full_bars.index(slot))
+    async_copy.wait_group(0)  # the copies past the end (zero-filled, no reads) before the program exits
 
 
 @gluon.jit
@@ -323,7 +388,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
-    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS,
+    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, LOADERS: gl.constexpr = 1,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -377,7 +442,33 @@ def _mla_hopper_kernel(
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    if N_ROWS < ROWS:
+    if N_ROWS < ROWS and KV_FP8 and LOADERS == 1:
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
+        stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        gl.warp_specialize([
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
+            (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG))],
+            [LOAD_WARPS], [LOAD_REGS])
+    elif N_ROWS < ROWS and LOADERS == 1:
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
+        gl.warp_specialize([
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG))],
+            [LOAD_WARPS], [LOAD_REGS])
+    elif N_ROWS < ROWS:
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,

@@ -485,6 +485,6 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     return hopper._mla_hopper_kernel[grid](
-        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
+        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOADERS=hopper.NARROW_LOADERS,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
