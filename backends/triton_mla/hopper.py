@@ -18,6 +18,12 @@ different warps. Here they are different warps:
   layout, where each warpgroup holds whole rows) and `p @ v` (p from registers, each warpgroup 256
   of the 512 output columns), then hand the slot back.
 
+The narrow form (`N_ROWS` 16 or 32): 64 rows on wgmma's M would leave 3/4 (1/2) of every MMA padding, so
+one MMA warpgroup computes the products transposed, the tile's 64 tokens on M (`_mma_partition_narrow`). The
+query then takes 18-36 KiB instead of 72, which leaves room for an FP8 staging ring of two half tiles
+(`_load_partition_staged`: cp.async keeps the next tile's bytes in flight while the loader waits for a slot);
+16-bit caches use two plain loaders, one per slot. Device calls 58-59, bench/TRITON_NOTES.md round 18.
+
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
 it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`.
@@ -46,8 +52,6 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
-# Measurement only (round 18 A/B): the narrow form's loaders, 1 (FP8: the staged loader) or 2 (one per slot).
-NARROW_LOADERS = 1
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64) -> int:
@@ -388,7 +392,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
-    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, LOADERS: gl.constexpr = 1,
+    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -442,7 +446,7 @@ def _mla_hopper_kernel(
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    if N_ROWS < ROWS and KV_FP8 and LOADERS == 1:
+    if N_ROWS < ROWS and KV_FP8:
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -455,18 +459,6 @@ def _mla_hopper_kernel(
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG))],
-            [LOAD_WARPS], [LOAD_REGS])
-    elif N_ROWS < ROWS and LOADERS == 1:
-        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
-                                     DEBUG)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)

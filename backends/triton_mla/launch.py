@@ -34,8 +34,9 @@ from mla_tune.backends.triton_mla.kernel import (
 # warps, 2 slots; plus a 4-warp loader. Launched at `maxnreg` 168 registers (12 warps x 32 x 168 fits the
 # SM's 64 Ki registers); `setmaxnreg` then gives the loader LOAD_REGS and the MMA warps the rest (208/200).
 HOPPER_SHAPE = (64, 64, 8, 2)
-# Its narrow form for 16 or 32 rows: one MMA warpgroup with the products transposed (tokens on wgmma's M),
-# two loader warpgroups (one per slot); 12 warps as well.
+# Its narrow form for 16 or 32 rows: one MMA warpgroup with the products transposed (tokens on wgmma's M);
+# FP8: one loader warpgroup with a cp.async staging ring (8 warps), 16-bit: two loader warpgroups, one per
+# slot (12 warps).
 HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
@@ -46,7 +47,7 @@ MAX_SPLITS = 64
 
 # The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+
 # (split_scores needs split_d; opaque_v_cast needs reload_v and fp16_math, and FP8 KV needs SM89+),
-# except warp_specialized, which runs HOPPER_SHAPE only and on SM90 only.
+# except warp_specialized, which runs the shapes of HOPPER_SHAPES only and on SM90 only.
 PARAM_SPACE = {
     "block_h": (16, 32, 64),
     "block_n": (16, 32, 64),
@@ -93,7 +94,8 @@ class LaunchParams:
             on the fp16 tile instead of byte loads of the FP8 tile (see `_load_kv`).
         warp_specialized: run the Hopper kernel of `hopper.py` (SM90 only): 64 rows, 8 MMA warps
             plus a loader warpgroup, a ring of two 64-token slots (`HOPPER_SHAPE`, all that fits
-            beside the query in shared memory); an FP8 cache is cast by the loader. The `tl`-only
+            beside the query in shared memory); an FP8 cache is cast by the loader. With block_h 16
+            or 32 its narrow form (`HOPPER_SHAPES`): 4 MMA warps on transposed products. The `tl`-only
             fields (split_d, reload_v, hoist_pages, fp16_math, max_regs, split_scores,
             opaque_v_cast) must stay at their defaults.
     """
@@ -246,6 +248,12 @@ HOPPER_MIN_BATCH = {
 # too few tiles per program for its set-up (the 72 KiB query load, the first tile's wait): kv 1024 at batch
 # 1-16 ran 1.04-1.45x slower than the tl tiles in the official grids (H100 call 40 against call 33, H200
 # call 43 against 36), while batch 64-128 at kv 1024 and kv >= 4096 did not lose.
+# The same for the narrow form (16/32 rows; it takes precedence where both apply). Same-process A/B on one
+# H100 (bench/results/hopper_ab_narrow_h100_call59.txt, time ratio against the wide kernel): FP8 16 heads
+# 0.63-0.93 at every batch, dense and sparse (against the tl tile 0.63-0.91); FP8 32 heads dense 0.85-0.97,
+# sparse 1.07 at batch 4 and 0.82-0.86 at batch 64-128 (batch 16 not measured). 16-bit: 0.96-1.01 of the
+# wide kernel (call 58), not used.
+HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 64)}
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH = 64
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
@@ -342,7 +350,8 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                    sparse: bool = False, kv_fp8: bool = False,
                    lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
-    """The heuristic: on SM90 the warp-specialised kernel where `HOPPER_MIN_BATCH` says it wins (and the
+    """The heuristic: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form) or
+    `HOPPER_MIN_BATCH` says it wins (and the
     requests are not short, `HOPPER_MIN_ITEMS`), otherwise tiles from `TILE_TABLE` by head rows
     (`SMALL_BATCH_TILES` for few requests); splits from batch x length x SMs.
 
@@ -353,11 +362,13 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
-    min_batch = HOPPER_MIN_BATCH[(kind, bucket)][1 if sparse else 0]
     short = max_items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
-    if cc_major in HOPPER_CC_MAJORS and min_batch is not None and batch >= min_batch and not short:
-        return params_from_tile(HOPPER_TILE, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
-                                num_sms=num_sms, sparse=sparse, lengths=lengths)
+    if cc_major in HOPPER_CC_MAJORS and not short:
+        for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_MIN_BATCH, HOPPER_TILE)):
+            min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
+            if min_batch is not None and batch >= min_batch:
+                return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
+                                        num_sms=num_sms, sparse=sparse, lengths=lengths)
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
         bucket = 16
     tile = (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
@@ -485,6 +496,6 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     return hopper._mla_hopper_kernel[grid](
-        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOADERS=hopper.NARROW_LOADERS,
+        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)

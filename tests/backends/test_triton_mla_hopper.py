@@ -84,22 +84,27 @@ def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
 @pytest.mark.parametrize("sparse", [False, True])
 def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bucket, sparse):
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_SHORT_BATCH, default_params)
+        HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_NARROW_MIN_BATCH, HOPPER_SHORT_BATCH, default_params)
 
     min_batch = HOPPER_MIN_BATCH[(kind, bucket)][sparse]
+    narrow_min = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
     for batch in (1, 2, 4, 16, 64, 128):
         for items in (1024, 2048, 4096):
             kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                           kv_fp8=kind == "fp8", lengths=[items] * batch)
             short = items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
+            narrow = narrow_min is not None and batch >= narrow_min and not short
+            wide = min_batch is not None and batch >= min_batch and not short and not narrow
             hopper = default_params(**kwargs, cc_major=9)
-            assert hopper.warp_specialized == (min_batch is not None and batch >= min_batch and not short), \
-                (batch, items, hopper)
+            assert hopper.warp_specialized == (narrow or wide), (batch, items, hopper)
+            assert hopper.block_h == (bucket if narrow else 64 if wide else hopper.block_h), (batch, items, hopper)
             for other in (8, 10, 12, None):  # no wgmma / setmaxnreg there (None: the CPU interpreter)
                 assert not default_params(**kwargs, cc_major=other).warp_specialized
 
 
 @pytest.mark.parametrize("heads,batch,items,kv_fp8,sparse,hopper", [
+    (16, 128, 16384, True, False, 16),     # FP8 16 heads, narrow form: 0.63 of the wide time (call 59)
+    (32, 4, 16384, True, True, 64),        # sparse FP8 32 heads at batch 4: the narrow form lost (1.07)
     (64, 1, 4096, False, False, True),     # measured 0.98 of the tl time (call 39)
     (64, 1, 1024, False, False, False),    # 1.45x slower in the official grids (short request, small batch)
     (64, 64, 1024, False, False, True),    # short requests at batch 64 did not lose
@@ -114,7 +119,9 @@ def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, ho
 
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                             kv_fp8=kv_fp8, lengths=[items] * batch, cc_major=9)
-    assert params.warp_specialized == hopper, params
+    assert params.warp_specialized == bool(hopper), params
+    if hopper is not True and hopper:  # a row count: the form (narrow 16/32 rows, wide 64)
+        assert params.block_h == hopper, params
 
 
 def test_warp_specialized_launch_needs_a_gpu():
