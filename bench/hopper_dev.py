@@ -4,7 +4,8 @@ Same process, same inputs (uniform lengths, as in the official grid, unless --ra
 checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies, bench/triton_dev.py).
 Each candidate is `HOPPER_TILE` (optionally with another minimum split, or the narrow form), timed on BF16 or FP8 shapes; its splits come from the same split model as the
 shipped tiles (`params_from_tile` with the real lengths). Prints one line per (shape, kernel) and, per
-candidate, the geometric mean of its time over the shipped kernel's, with the worst shape.
+candidate, the geometric mean of its time over the tl tiles' and over the first candidate's of its KV kind,
+with the best and worst shape.
 
     python3 bench/hopper_dev.py --out bench/results/hopper_ab_h100.txt
     python3 bench/hopper_dev.py --kv bf16 --heads 64 --candidates 16bit,16bit:m256 --fa3

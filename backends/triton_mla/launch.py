@@ -243,17 +243,17 @@ HOPPER_MIN_BATCH = {
     ("16bit", 16): (None, 16), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
     ("fp8", 16): (None, 16), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
 }
+# The same for the narrow form (16/32 rows; it takes precedence where both apply). Same-process A/B on one
+# H100 (bench/results/hopper_ab_narrow_h100_call59.txt, time ratio against the wide kernel): FP8 16 heads
+# 0.73-0.95 at every batch, dense and sparse (against the tl tile 0.63-0.93); FP8 32 heads dense 0.83-0.97,
+# sparse 1.07 at batch 4 and 0.83-0.86 at batch 64-128 (batch 16 not measured). 16-bit (two plain loaders):
+# 0.89-1.02 of the wide kernel (call 58, geomean 0.975), not used.
+HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 64)}
 # Short requests at small batches stay on the tl tiles: below HOPPER_SHORT_BATCH requests, a batch whose
 # longest request is shorter than HOPPER_MIN_ITEMS tokens (or top-k slots) gives the warp-specialised kernel
 # too few tiles per program for its set-up (the 72 KiB query load, the first tile's wait): kv 1024 at batch
 # 1-16 ran 1.04-1.45x slower than the tl tiles in the official grids (H100 call 40 against call 33, H200
 # call 43 against 36), while batch 64-128 at kv 1024 and kv >= 4096 did not lose.
-# The same for the narrow form (16/32 rows; it takes precedence where both apply). Same-process A/B on one
-# H100 (bench/results/hopper_ab_narrow_h100_call59.txt, time ratio against the wide kernel): FP8 16 heads
-# 0.63-0.93 at every batch, dense and sparse (against the tl tile 0.63-0.91); FP8 32 heads dense 0.85-0.97,
-# sparse 1.07 at batch 4 and 0.82-0.86 at batch 64-128 (batch 16 not measured). 16-bit: 0.96-1.01 of the
-# wide kernel (call 58), not used.
-HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 64)}
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH = 64
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
