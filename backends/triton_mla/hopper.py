@@ -54,10 +54,12 @@ DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64) -> int:
-    """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and
-    (narrow form) `p`."""
-    return rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if rows < ROWS.value else 0)
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
+    """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and,
+    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes."""
+    narrow = rows < ROWS.value
+    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
+            + (block_n * 576 if narrow and kv_fp8 else 0))
 
 
 @gluon.jit
@@ -79,10 +81,10 @@ def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: g
 
 
 @gluon.jit
-def _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-               layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr):
-    """Row pointers `[BLOCK_N]` of one tile in the paged cache (in `layout`'s rows) and their validity."""
-    offs = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+def _tile_positions(n0, end, seq_len, topk_row, layout: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """Token positions `[BLOCK_N]` (in `layout`) of the tile starting at item `n0` and their validity: in the
+    split's range, and (sparse) a top-k slot that is not -1 and inside the request."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
     in_range = offs < end
     if SPARSE:
         pos = gl.load(topk_row + offs, mask=in_range, other=-1)
@@ -90,6 +92,14 @@ def _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kv
     else:
         pos = offs
         ok = in_range
+    return pos, ok
+
+
+@gluon.jit
+def _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+               layout: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr):
+    """Row pointers `[BLOCK_N]` of one tile in the paged cache (in `layout`'s rows) and their validity."""
+    pos, ok = _tile_positions(n0, end, seq_len, topk_row, gl.SliceLayout(1, layout), BLOCK_N, SPARSE)
     page = gl.load(bt_row + pos // PAGE_SIZE, mask=ok, other=0)
     row = kv_ptr + page.to(gl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvt
     return row, ok
@@ -117,6 +127,32 @@ def _load_chunks(row, ok, cols):
             gl.load(ptrs + 256, mask=mask, other=0.0), gl.load(ptrs + 320, mask=mask, other=0.0),
             gl.load(ptrs + 384, mask=mask, other=0.0), gl.load(ptrs + 448, mask=mask, other=0.0),
             gl.load(ptrs + 512, mask=mask, other=0.0))
+
+
+@gluon.jit
+def _staged_chunks(stage, half: gl.constexpr, layout: gl.constexpr):
+    """Staging half `half` back in registers as nine `[rows, 64]` e4m3 chunks (as `_load_chunks` gives them)."""
+    return (stage.index(half * 9).load(layout), stage.index(half * 9 + 1).load(layout),
+            stage.index(half * 9 + 2).load(layout), stage.index(half * 9 + 3).load(layout),
+            stage.index(half * 9 + 4).load(layout), stage.index(half * 9 + 5).load(layout),
+            stage.index(half * 9 + 6).load(layout), stage.index(half * 9 + 7).load(layout),
+            stage.index(half * 9 + 8).load(layout))
+
+
+@gluon.jit
+def _cast_chunks(xs):
+    """Nine e4m3 chunks cast to fp16 (`cvt.rn.f16x2.e4m3x2`)."""
+    return (xs[0].to(gl.float16), xs[1].to(gl.float16), xs[2].to(gl.float16), xs[3].to(gl.float16),
+            xs[4].to(gl.float16), xs[5].to(gl.float16), xs[6].to(gl.float16), xs[7].to(gl.float16),
+            xs[8].to(gl.float16))
+
+
+@gluon.jit
+def _store_chunks(dst_lat, dst_rope, xs):
+    """Nine chunks (cast to fp16 here if they are not yet) into a slot's latent and rope parts."""
+    for c in gl.static_range(8):
+        dst_lat.slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
+    dst_rope.store(xs[8].to(gl.float16))
 
 
 @gluon.jit
@@ -149,10 +185,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
             if DEBUG != 2:
-                xs = _load_chunks(row, ok, cols)
-                for c in gl.static_range(8):
-                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
-                k_rope.index(slot).store(xs[8].to(gl.float16))
+                _store_chunks(k_lat.index(slot), k_rope.index(slot), _load_chunks(row, ok, cols))
                 fence_async_shared()
             mbarrier.arrive(full_bars.index(slot))
         else:
@@ -201,29 +234,33 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                                  stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
             if DEBUG != 2:
                 async_copy.wait_group(1)  # this half's group; the other half's may still be in flight
-                x0 = stage.index(j * 9 + 0).load(layout).to(gl.float16)
-                x1 = stage.index(j * 9 + 1).load(layout).to(gl.float16)
-                x2 = stage.index(j * 9 + 2).load(layout).to(gl.float16)
-                x3 = stage.index(j * 9 + 3).load(layout).to(gl.float16)
-                x4 = stage.index(j * 9 + 4).load(layout).to(gl.float16)
-                x5 = stage.index(j * 9 + 5).load(layout).to(gl.float16)
-                x6 = stage.index(j * 9 + 6).load(layout).to(gl.float16)
-                x7 = stage.index(j * 9 + 7).load(layout).to(gl.float16)
-                x8 = stage.index(j * 9 + 8).load(layout).to(gl.float16)
+                xs = _cast_chunks(_staged_chunks(stage, j, layout))
                 _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
-                dst = k_lat.index(slot).slice(j * HALF, HALF, dim=0)
-                dst.slice(0, 64, dim=1).store(x0)
-                dst.slice(64, 64, dim=1).store(x1)
-                dst.slice(128, 64, dim=1).store(x2)
-                dst.slice(192, 64, dim=1).store(x3)
-                dst.slice(256, 64, dim=1).store(x4)
-                dst.slice(320, 64, dim=1).store(x5)
-                dst.slice(384, 64, dim=1).store(x6)
-                dst.slice(448, 64, dim=1).store(x7)
-                k_rope.index(slot).slice(j * HALF, HALF, dim=0).store(x8)
+                _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
+                              k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
         fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
     async_copy.wait_group(0)  # the copies past the end (zero-filled, no reads) before the program exits
+
+
+@gluon.jit
+def _hand_back(full_bars, empty_bars, n_tiles, STAGES: gl.constexpr):
+    """Measurement mode 1 (loader alone): the MMA warps hand every slot back as soon as it is full."""
+    for t in range(n_tiles):
+        mbarrier.wait(full_bars.index(t % STAGES), (t // STAGES) & 1)
+        mbarrier.arrive(empty_bars.index(t % STAGES))
+
+
+@gluon.jit
+def _inv_sums(l_i, out_scale):
+    """`out_scale / l` per row, 0 for a row that saw nothing (its output is zeros)."""
+    return gl.where(l_i > 0.0, out_scale / gl.where(l_i > 0.0, l_i, 1.0), 0.0)
+
+
+@gluon.jit
+def _lse(m_i, l_i):
+    """Natural-log LSE from the base-2 running max and sum; -inf for a row that saw nothing."""
+    return gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
 @gluon.jit
@@ -253,18 +290,10 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_p)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    if DEBUG == 1:  # measurement: hand every slot straight back
-        for t in range(n_tiles):
-            mbarrier.wait(full_bars.index(t % STAGES), (t // STAGES) & 1)
-            mbarrier.arrive(empty_bars.index(t % STAGES))
+    if DEBUG == 1:
+        _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
-        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_s)
-        if SPARSE:
-            pos = gl.load(topk_row + offs, mask=offs < end, other=-1)
-            ok = (offs < end) & (pos >= 0) & (pos < seq_len)
-        else:
-            pos = offs
-            ok = offs < end
+        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
         fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
@@ -298,12 +327,12 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     cols_o = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
     o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
     l_o = gl.convert_layout(l_i, rows_o)
-    inv_l = gl.where(l_o > 0.0, out_scale / gl.where(l_o > 0.0, l_o, 1.0), 0.0)
+    inv_l = _inv_sums(l_o, out_scale)
     gl.store(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
              mask=(ok_o & store_o)[:, None] & (cols_o[None, :] < 512))
     qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
     l_i = gl.convert_layout(l_i, rows_s)
-    lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = _lse(m_i, l_i)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
              lse, mask=ok_l)
 
@@ -331,18 +360,10 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([N_ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    if DEBUG == 1:  # measurement: hand every slot straight back
-        for t in range(n_tiles):
-            mbarrier.wait(full_bars.index(t % STAGES), (t // STAGES) & 1)
-            mbarrier.arrive(empty_bars.index(t % STAGES))
+    if DEBUG == 1:
+        _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
-        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=toks_s)
-        if SPARSE:
-            pos = gl.load(topk_row + offs, mask=offs < end, other=-1)
-            ok = (offs < end) & (pos >= 0) & (pos < seq_len)
-        else:
-            pos = offs
-            ok = offs < end
+        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
         fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
@@ -370,10 +391,10 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
     qi, h, ok = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE, N_ROWS)
     cols = gl.arange(0, 512, layout=toks_s)
     o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
-    inv_l = gl.where(l_i > 0.0, out_scale / gl.where(l_i > 0.0, l_i, 1.0), 0.0)
+    inv_l = _inv_sums(l_i, out_scale)
     gl.store(o_row[None, :] + cols[:, None], (acc * inv_l[None, :]).to(o_ptr.dtype.element_ty),
              mask=(ok & store_o)[None, :] & (cols[:, None] < 512))
-    lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = _lse(m_i, l_i)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
              lse, mask=ok)
 

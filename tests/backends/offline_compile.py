@@ -67,11 +67,12 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
-    from mla_tune.backends.triton_mla.launch import HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPE, HOPPER_SHAPES
+    from mla_tune.backends.triton_mla.launch import HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES
 
     fp8 = kv == "fp8"
+    _, block_n, num_warps, stages = HOPPER_SHAPES[rows]
     const = _constexpr_defaults(_mla_hopper_kernel)
-    const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=HOPPER_SHAPE[1], STAGES=HOPPER_SHAPE[3],
+    const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
                  SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
                  LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"], N_ROWS=rows)
     const.update(overrides)
@@ -80,7 +81,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": HOPPER_SHAPES[rows][2], "maxnreg": HOPPER_MAXNREG})
+                              options={"num_warps": num_warps, "maxnreg": HOPPER_MAXNREG})
     ptx = compiled.asm["ptx"]
     ptxas = triton.backends.nvidia.__path__[0] + "/bin/ptxas"
     with tempfile.TemporaryDirectory() as tmp:
