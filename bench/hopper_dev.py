@@ -39,15 +39,25 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256' or 'fp8:narrow' -> (KV kind it is timed on, rows bucket -> Tile or None):
-    `HOPPER_TILE` [with min_split_tokens 256], or the narrow form for 16 and 32 rows (None above)."""
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:narrow' or 'fp8:narrow2' -> (KV kind it is timed on, rows bucket -> Tile
+    or None, FP8 loaders of the narrow form): `HOPPER_TILE` [with min_split_tokens 256], or the narrow form for
+    16 and 32 rows (None above) with one staged loader, or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
-    if rest == "narrow":
-        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None
+    if rest in ("narrow", "narrow2"):
+        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, 2 if rest == "narrow2" else 1
     tile = HOPPER_TILE
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
-    return kind, lambda bucket: tile
+    return kind, lambda bucket: tile, 1
+
+
+def timed(case, adapter, *, debug: str | None, loaders: int) -> dict:
+    """`check_and_time` (or `debug_time` in a measurement mode) with `loaders` FP8 loaders in the narrow form."""
+    hopper.STAGED_LOADERS = loaders
+    try:
+        return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
+    finally:
+        hopper.STAGED_LOADERS = 1
 
 
 def debug_time(case, adapter, mode: str) -> dict:
@@ -110,14 +120,13 @@ def main():
                                    sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
         base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
-        for i, (ckind, tile_for) in enumerate(cands):
+        for i, (ckind, tile_for, loaders) in enumerate(cands):
             tile = tile_for(rows_bucket(heads))
             if ckind != kind or tile is None:
                 continue
             params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
                                       num_sms=sms, sparse=bool(topk), lengths=case.lengths)
-            r = debug_time(case, adapter_cls(params), args.debug) if args.debug else check_and_time(
-                case, adapter_cls(params))
+            r = timed(case, adapter_cls(params), debug=args.debug, loaders=loaders)
             tag = ""
             if r["status"] == "ok" and base["status"] == "ok":
                 ratios[i].append((r["us"] / base["us"], case.label()))
@@ -129,9 +138,9 @@ def main():
             log(fmt_line(case, "fa3", r, roof))
         case.free()
     firsts = {}  # KV kind -> index of its first candidate, the reference of the "vs first" line
-    for i, (kind, _) in enumerate(cands):
+    for i, (kind, *_) in enumerate(cands):
         firsts.setdefault(kind, i)
-    for i, (kind, _) in enumerate(cands):
+    for i, (kind, *_) in enumerate(cands):
         rs = ratios[i]
         first = dict((label, x) for x, label in ratios[firsts[kind]])
         vs_first = [(x / first[label], label) for x, label in rs if label in first]

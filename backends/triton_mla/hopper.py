@@ -52,6 +52,8 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
+# FP8 loaders of the narrow form: 1 (both halves of every tile) or 2 (one half each). Round 19 A/B.
+STAGED_LOADERS = 1
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
@@ -210,17 +212,20 @@ def _stage_half(stage, half: gl.constexpr, row, ok, cols):
 def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                            k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                           SPARSE: gl.constexpr, DEBUG: gl.constexpr):
-    """The FP8 loader of the narrow form: the e4m3 bytes go to a staging ring of two half tiles with
-    `cp.async` (16 bytes a thread), one tile ahead of the casts, so the HBM reads do not wait for a free slot
-    (the register-staged loader has one tile in flight at a time). Per half: wait for its copies, load the
-    bytes (each thread reads back the bytes it copied, so no barrier between the loader's threads), cast
-    them to fp16, refill the staging half with the half one tile on, store the fp16 values into the slot.
+                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
+                           N_HALVES: gl.constexpr = 2):
+    """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
+    (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
+    e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
+    the casts, so the HBM reads do not wait for a free slot (the register-staged loader has one tile in
+    flight at a time). Per half: wait for its copies, load the bytes (each thread reads back the bytes it
+    copied, so no barrier between the loader's threads), cast them to fp16, refill the staging half with the
+    half one tile on, store the fp16 values into the slot.
     """
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     HALF: gl.constexpr = BLOCK_N // 2
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    for j in gl.static_range(2):
+    for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
         row, ok = _tile_rows(start + j * HALF, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
                              layout, HALF, PAGE_SIZE, SPARSE)
         if DEBUG != 2:
@@ -228,12 +233,12 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
     for t in range(n_tiles):
         slot = t % STAGES
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-        for j in gl.static_range(2):
+        for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
             # rows of the half one tile on (a lookup ahead of its copy, as in `_load_partition`)
             row, ok = _tile_rows(start + (2 * t + 2 + j) * HALF, end, seq_len, topk_row, bt_row, kv_ptr,
                                  stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
             if DEBUG != 2:
-                async_copy.wait_group(1)  # this half's group; the other half's may still be in flight
+                async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
                 xs = _cast_chunks(_staged_chunks(stage, j, layout))
                 _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
@@ -413,7 +418,7 @@ def _mla_hopper_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
-    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS,
+    DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -461,13 +466,31 @@ def _mla_hopper_kernel(
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # BF16: every loader thread arrives when its own copies land; FP8: one arrival after the cast.
-        mbarrier.init(full_bars.index(i), count=1 if KV_FP8 else LOAD_WARPS * 32)
+        # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                      else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    if N_ROWS < ROWS and KV_FP8:
+    if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
+        stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        gl.warp_specialize([
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
+            (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
+            (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
+            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    elif N_ROWS < ROWS and KV_FP8:
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
