@@ -39,25 +39,27 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:narrow' or 'fp8:narrow2' -> (KV kind it is timed on, rows bucket -> Tile
-    or None, FP8 loaders of the narrow form): `HOPPER_TILE` [with min_split_tokens 256], or the narrow form for
-    16 and 32 rows (None above) with one staged loader, or two ('narrow2', one half tile each)."""
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:narrow', 'fp8:narrow1' or 'fp8:narrow2' -> (KV kind it is timed on,
+    rows bucket -> Tile or None, FP8 loaders of the narrow form): `HOPPER_TILE` [with min_split_tokens 256], or
+    the narrow form for 16 and 32 rows (None above) with the loaders `launch.HOPPER_STAGED_LOADERS` gives
+    ('narrow'), one staged loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
-    if rest in ("narrow", "narrow2"):
-        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, 2 if rest == "narrow2" else 1
+    if rest in ("narrow", "narrow1", "narrow2"):
+        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, int(rest[6:] or 0) or None
     tile = HOPPER_TILE
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
-    return kind, lambda bucket: tile, 1
+    return kind, lambda bucket: tile, None
 
 
-def timed(case, adapter, *, debug: str | None, loaders: int) -> dict:
-    """`check_and_time` (or `debug_time` in a measurement mode) with `loaders` FP8 loaders in the narrow form."""
+def timed(case, adapter, *, debug: str | None, loaders: int | None) -> dict:
+    """`check_and_time` (or `debug_time` in a measurement mode) with `loaders` FP8 loaders in the narrow form
+    (None: as `launch.HOPPER_STAGED_LOADERS` says)."""
     hopper.STAGED_LOADERS = loaders
     try:
         return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
     finally:
-        hopper.STAGED_LOADERS = 1
+        hopper.STAGED_LOADERS = None
 
 
 def debug_time(case, adapter, mode: str) -> dict:

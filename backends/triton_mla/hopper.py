@@ -52,8 +52,9 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
-# FP8 loaders of the narrow form: 1 (both halves of every tile) or 2 (one half each). Round 19 A/B.
-STAGED_LOADERS = 1
+# Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
+# `launch.HOPPER_STAGED_LOADERS`. None in production.
+STAGED_LOADERS = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:

@@ -249,6 +249,12 @@ HOPPER_MIN_BATCH = {
 # sparse 1.07 at batch 4 and 0.83-0.86 at batch 64-128 (batch 16 not measured). 16-bit (two plain loaders):
 # 0.89-1.02 of the wide kernel (call 58, geomean 0.975), not used.
 HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 64)}
+# The narrow form's FP8 loaders, by sparse: one staged loader for both halves of every tile (dense), or two
+# loader warpgroups, one half each (sparse: their top-k and block-table lookups and row gathers run side by
+# side). Same-process A/B on one H100 (bench/results/hopper_ab_narrow2_h100_call66.txt, time with two loaders
+# over time with one, 16 and 32 heads): sparse 0.86-0.98 (batch 4-128), dense 1.01-1.06 (batch 1-128; the
+# loader alone took the same time either way, 423 against 424 us at batch 128 kv 16k).
+HOPPER_STAGED_LOADERS = {False: 1, True: 2}
 # Short requests at small batches stay on the tl tiles: below HOPPER_SHORT_BATCH requests, a batch whose
 # longest request is shorter than HOPPER_MIN_ITEMS tokens (or top-k slots) gives the warp-specialised kernel
 # too few tiles per program for its set-up (the 72 KiB query load, the first tile's wait): kv 1024 at batch
@@ -495,8 +501,9 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    narrow_fp8 = kv_fp8 and params.block_h < HOPPER_SHAPE[0]
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=hopper.STAGED_LOADERS,
+        STAGED_LOADERS=(hopper.STAGED_LOADERS or HOPPER_STAGED_LOADERS[common["SPARSE"]]) if narrow_fp8 else 1,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)

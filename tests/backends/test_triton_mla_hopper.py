@@ -49,7 +49,8 @@ def test_hopper_kernel_compiles_for_sm90a(kv, sparse, q_len, page_size):
 
 
 @pytest.mark.parametrize("kv,sparse,q_len,rows", [
-    ("bf16", False, 1, 16), ("fp8", False, 1, 16), ("fp8", False, 2, 32), ("bf16", True, 1, 32), ("fp8", True, 2, 16)])
+    ("bf16", False, 1, 16), ("fp8", False, 1, 16), ("fp8", False, 2, 32), ("bf16", True, 1, 32), ("fp8", True, 2, 16),
+    ("fp8", True, 1, 32)])
 def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
     from offline_compile import hopper_compile
 
@@ -66,6 +67,9 @@ def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
     assert "setmaxnreg.dec.sync.aligned.u32" in ptx, "the loader hands registers to the MMA warpgroup"
     if kv == "fp8":  # the staged loader: e4m3 bytes by cp.async, cast from shared memory
         assert "cp.async.cg.shared.global" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+    # one MMA warpgroup and its loaders: two for 16-bit caches and for sparse FP8 (one half tile each)
+    loaders = 1 if kv == "fp8" and not sparse else 2
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(128 * (1 + loaders))
     assert _spill_bytes(report) <= 64, report
 
 
