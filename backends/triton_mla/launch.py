@@ -243,12 +243,15 @@ HOPPER_MIN_BATCH = {
     ("16bit", 16): (None, 16), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
     ("fp8", 16): (None, 16), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
 }
-# The same for the narrow form (16/32 rows; it takes precedence where both apply). Same-process A/B on one
-# H100 (bench/results/hopper_ab_narrow_h100_call59.txt, time ratio against the wide kernel): FP8 16 heads
-# 0.73-0.95 at every batch, dense and sparse (against the tl tile 0.63-0.93); FP8 32 heads dense 0.83-0.97,
-# sparse 1.07 at batch 4 and 0.83-0.86 at batch 64-128 (batch 16 not measured). 16-bit (two plain loaders):
-# 0.89-1.02 of the wide kernel (call 58, geomean 0.975), not used.
-HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 64)}
+# The same for the narrow form (16/32 rows; it takes precedence where both apply). Same-process A/Bs on one
+# H100 (time ratio against the wide kernel): FP8 16 heads 0.73-0.95 at every batch, dense and sparse (against
+# the tl tile 0.63-0.93), FP8 32 heads dense 0.83-0.97 (bench/results/hopper_ab_narrow_h100_call59.txt); FP8 32
+# heads sparse, with two loaders, 0.963 at batch 4, 0.881 at 16, 0.79-0.80 at 64-128 (batch 1 not measured;
+# hopper_ab_sparse_narrow_h100_call69.txt). 16-bit (two plain loaders): dense 0.89-1.02 (call 58, not used);
+# sparse 16 heads 0.967 at batch 16, 0.97-0.98 at 64, 0.96 at 128 (call 58; call 69 measured 0.76 there, with the
+# wide kernel 1.26x slower than in call 58 and the grids), and at batch 4 1.04x the tl tile; sparse 32 heads
+# 0.97-1.01 (not used).
+HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 16): (None, 16)}
 # The narrow form's FP8 loaders, by sparse: one staged loader for both halves of every tile (dense), or two
 # loader warpgroups, one half each (sparse: their top-k and block-table lookups and row gathers run side by
 # side). Same-process A/B on one H100 (bench/results/hopper_ab_narrow2_h100_call66.txt, time with two loaders
