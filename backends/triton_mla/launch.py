@@ -250,8 +250,10 @@ HOPPER_MIN_BATCH = {
 # hopper_ab_sparse_narrow_h100_call69.txt). 16-bit (two plain loaders): dense 0.89-1.02 (call 58, not used);
 # sparse 16 heads 0.967 at batch 16, 0.97-0.98 at 64, 0.96 at 128 (call 58; call 69 measured 0.76 there, with the
 # wide kernel 1.26x slower than in call 58 and the grids), and at batch 4 1.04x the tl tile; sparse 32 heads
-# 0.97-1.01 (not used).
-HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 16): (None, 16)}
+# 0.998-1.01 at batch 4-16 and 1.00 / 0.97 at batch 64 / 128 (call 69), on an H200 0.94 / 0.86 at 64 / 128
+# (hopper_ab_sparse_narrow_h200_call73.txt).
+HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 16): (None, 16),
+                           ("16bit", 32): (None, 64)}
 # The narrow form's FP8 loaders, by sparse: one staged loader for both halves of every tile (dense), or two
 # loader warpgroups, one half each (sparse: their top-k and block-table lookups and row gathers run side by
 # side). Same-process A/B on one H100 (bench/results/hopper_ab_narrow2_h100_call66.txt, time with two loaders
