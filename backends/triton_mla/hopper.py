@@ -21,8 +21,10 @@ different warps. Here they are different warps:
 The narrow form (`N_ROWS` 16 or 32): 64 rows on wgmma's M would leave 3/4 (1/2) of every MMA padding, so
 one MMA warpgroup computes the products transposed, the tile's 64 tokens on M (`_mma_partition_narrow`). The
 query then takes 18-36 KiB instead of 72, which leaves room for an FP8 staging ring of two half tiles
-(`_load_partition_staged`: cp.async keeps the next tile's bytes in flight while the loader waits for a slot);
-16-bit caches use two plain loaders, one per slot. Device calls 58-59, bench/TRITON_NOTES.md round 18.
+(`_load_partition_staged`: cp.async keeps the next tile's bytes in flight while the loader waits for a slot;
+one loader warpgroup for a dense cache, two for a sparse one, each one half of every tile, `STAGED_LOADERS`);
+16-bit caches use two plain loaders, one per slot. Device calls 58-59 and 66-69, bench/TRITON_NOTES.md rounds 18
+and 20.
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
