@@ -44,8 +44,9 @@ def candidate(spec: str):
     the narrow form for 16 and 32 rows (None above) with the loaders `launch.HOPPER_STAGED_LOADERS` gives
     ('narrow'), one staged loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
-    if rest in ("narrow", "narrow1", "narrow2"):
-        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, int(rest[6:] or 0) or None
+    loaders = {"narrow": None, "narrow1": 1, "narrow2": 2}
+    if rest in loaders:
+        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, loaders[rest]
     tile = HOPPER_TILE
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))

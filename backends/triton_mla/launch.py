@@ -248,10 +248,10 @@ HOPPER_MIN_BATCH = {
 # the tl tile 0.63-0.93), FP8 32 heads dense 0.83-0.97 (bench/results/hopper_ab_narrow_h100_call59.txt); FP8 32
 # heads sparse, with two loaders, 0.963 at batch 4, 0.881 at 16, 0.79-0.80 at 64-128 (batch 1 not measured;
 # hopper_ab_sparse_narrow_h100_call69.txt). 16-bit (two plain loaders): dense 0.89-1.02 (call 58, not used);
-# sparse 16 heads 0.967 at batch 16, 0.97-0.98 at 64, 0.96 at 128 (call 58; call 69 measured 0.76 there, with the
-# wide kernel 1.26x slower than in call 58 and the grids), and at batch 4 1.04x the tl tile; sparse 32 heads
-# 0.998-1.01 at batch 4-16 and 1.00 / 0.97 at batch 64 / 128 (call 69), on an H200 0.94 / 0.86 at 64 / 128
-# (hopper_ab_sparse_narrow_h200_call73.txt).
+# sparse 16 heads 0.967 at batch 16 and 0.97-0.98 at 64 (call 69), 0.964 at 128 (call 58; call 69 measured 0.76
+# there, with the wide kernel 1.26x slower than in call 58 and the grids), on an H200 0.86-0.97 at batch 16-128
+# (hopper_ab_sparse_narrow_h200_call73.txt), and at batch 4 1.04x the tl tile; sparse 32 heads 0.998-1.01 at
+# batch 4-16 and 1.00 / 0.97 at batch 64 / 128 (call 69), on an H200 0.94 / 0.86 at 64 / 128 (call 73).
 HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 16): (None, 16),
                            ("16bit", 32): (None, 64)}
 # The narrow form's FP8 loaders, by sparse: one staged loader for both halves of every tile (dense), or two
