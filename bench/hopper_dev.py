@@ -38,29 +38,36 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
               "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)])}
 
 
+# Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
+NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2},
+          "narrow-sums": {"SUMS_AT_END": True}}
+
+
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:narrow', 'fp8:narrow1' or 'fp8:narrow2' -> (KV kind it is timed on,
-    rows bucket -> Tile or None, FP8 loaders of the narrow form): `HOPPER_TILE` [with min_split_tokens 256], or
-    the narrow form for 16 and 32 rows (None above) with the loaders `launch.HOPPER_STAGED_LOADERS` gives
-    ('narrow'), one staged loader ('narrow1') or two ('narrow2', one half tile each)."""
+    """'16bit', 'fp8', 'fp8:m256' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
+    (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs): `HOPPER_TILE` [with
+    min_split_tokens 256], or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it
+    ('narrow'), with one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each), or with its row
+    sums reduced once after the loop ('narrow-sums')."""
     kind, _, rest = spec.partition(":")
-    loaders = {"narrow": None, "narrow1": 1, "narrow2": 2}
-    if rest in loaders:
-        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, loaders[rest]
+    if rest in NARROW:
+        return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
-    return kind, lambda bucket: tile, None
+    return kind, lambda bucket: tile, {}
 
 
-def timed(case, adapter, *, debug: str | None, loaders: int | None) -> dict:
-    """`check_and_time` (or `debug_time` in a measurement mode) with `loaders` FP8 loaders in the narrow form
-    (None: as `launch.HOPPER_STAGED_LOADERS` says)."""
-    hopper.STAGED_LOADERS = loaders
+def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
+    """`check_and_time` (or `debug_time` in a measurement mode) with hopper.py's measurement `switches` set."""
+    saved = {name: getattr(hopper, name) for name in switches}
+    for name, value in switches.items():
+        setattr(hopper, name, value)
     try:
         return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
     finally:
-        hopper.STAGED_LOADERS = None
+        for name, value in saved.items():
+            setattr(hopper, name, value)
 
 
 def debug_time(case, adapter, mode: str) -> dict:
@@ -123,13 +130,13 @@ def main():
                                    sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
         base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
-        for i, (ckind, tile_for, loaders) in enumerate(cands):
+        for i, (ckind, tile_for, switches) in enumerate(cands):
             tile = tile_for(rows_bucket(heads))
             if ckind != kind or tile is None:
                 continue
             params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
                                       num_sms=sms, sparse=bool(topk), lengths=case.lengths)
-            r = timed(case, adapter_cls(params), debug=args.debug, loaders=loaders)
+            r = timed(case, adapter_cls(params), debug=args.debug, switches=switches)
             tag = ""
             if r["status"] == "ok" and base["status"] == "ok":
                 ratios[i].append((r["us"] / base["us"], case.label()))
