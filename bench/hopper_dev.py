@@ -39,16 +39,14 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
-NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2},
-          "narrow-sums": {"SUMS_AT_END": True}}
+NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
 
 
 def candidate(spec: str):
     """'16bit', 'fp8', 'fp8:m256' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
     (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs): `HOPPER_TILE` [with
     min_split_tokens 256], or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it
-    ('narrow'), with one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each), or with its row
-    sums reduced once after the loop ('narrow-sums')."""
+    ('narrow'), with one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]

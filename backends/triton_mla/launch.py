@@ -511,5 +511,4 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
         STAGED_LOADERS=(hopper.STAGED_LOADERS or HOPPER_STAGED_LOADERS[common["SPARSE"]]) if narrow_fp8 else 1,
-        SUMS_AT_END=hopper.SUMS_AT_END and params.block_h < HOPPER_SHAPE[0],
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
