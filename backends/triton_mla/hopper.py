@@ -190,7 +190,13 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
             if DEBUG != 2:
-                _store_chunks(k_lat.index(slot), k_rope.index(slot), _load_chunks(row, ok, cols))
+                # Written out, not through `_store_chunks`: the same stores through that helper compile to the
+                # same PTX but for where two address multiply-adds sit, and ran 1.13-1.19x slower at FP8 64 heads
+                # (device calls 79-81, same process, bench/TRITON_NOTES.md round 21).
+                xs = _load_chunks(row, ok, cols)
+                for c in gl.static_range(8):
+                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
+                k_rope.index(slot).store(xs[8].to(gl.float16))
                 fence_async_shared()
             mbarrier.arrive(full_bars.index(slot))
         else:
