@@ -50,8 +50,8 @@ ROWS = gl.constexpr(64)        # query rows per program: one wgmma M block, shar
 LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 
 # Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
-# back), 2 = the MMA warps alone (the loader copies nothing), 3 = no row max across the warpgroups and no
-# row sums (wrong results). 0 in production.
+# back), 2 = the MMA warps alone (the loader copies nothing), 3 = (wide form only) no row max across the
+# warpgroups and no row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
@@ -154,10 +154,10 @@ def _cast_chunks(xs):
 
 @gluon.jit
 def _store_chunks(dst_lat, dst_rope, xs):
-    """Nine chunks (cast to fp16 here if they are not yet) into a slot's latent and rope parts."""
+    """Nine fp16 chunks (`_cast_chunks`) into a slot's latent and rope parts."""
     for c in gl.static_range(8):
-        dst_lat.slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
-    dst_rope.store(xs[8].to(gl.float16))
+        dst_lat.slice(c * 64, 64, dim=1).store(xs[c])
+    dst_rope.store(xs[8])
 
 
 @gluon.jit
@@ -191,7 +191,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
         if KV_FP8:
             if DEBUG != 2:
                 # Written out, not through `_store_chunks`: the same stores through that helper compile to the
-                # same PTX but for where two address multiply-adds sit, and ran 1.13-1.19x slower at FP8 64 heads
+                # same PTX but for where two address multiply-adds sit, and ran 1.13-1.20x slower at FP8 64 heads
                 # (device calls 79-81, same process, bench/TRITON_NOTES.md round 21).
                 xs = _load_chunks(row, ok, cols)
                 for c in gl.static_range(8):
@@ -485,11 +485,13 @@ def _mla_hopper_kernel(
         mbarrier.init(empty_bars.index(i), count=1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
+    if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
+        if KV_FP8:
+            stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
-        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
-                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
@@ -504,9 +506,6 @@ def _mla_hopper_kernel(
                                       PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
-        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
-                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
@@ -518,7 +517,6 @@ def _mla_hopper_kernel(
                                       PAGE_SIZE, SPARSE, DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
-        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,

@@ -35,8 +35,8 @@ from mla_tune.backends.triton_mla.kernel import (
 # SM's 64 Ki registers); `setmaxnreg` then gives the loader LOAD_REGS and the MMA warps the rest (208/200).
 HOPPER_SHAPE = (64, 64, 8, 2)
 # Its narrow form for 16 or 32 rows: one MMA warpgroup with the products transposed (tokens on wgmma's M);
-# FP8: one loader warpgroup with a cp.async staging ring (8 warps), 16-bit: two loader warpgroups, one per
-# slot (12 warps).
+# FP8: one or two loader warpgroups with a cp.async staging ring (8 or 12 warps, `staged_loaders`), 16-bit: two
+# loader warpgroups, one per slot (12 warps).
 HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
@@ -229,29 +229,30 @@ SPARSE_TILE_TABLE = {
 # geomean 1.006 against 0.788 of the tl tile).
 HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 # The same for each rows bucket the kernel has a form for (16 and 32: the narrow one).
-HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2]) for rows, shape in HOPPER_SHAPES.items()}
+HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
+                for rows, shape in HOPPER_SHAPES.items()}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
-# warp-specialised kernel instead of the tl tiles (None: never). From same-process A/Bs on one H100
-# (bench/results/hopper_ab_h100_call{37,38,39,40}.txt, hopper_ab_h16_sparse_h100_call54.txt; time ratio against
-# the tl tile): BF16 64/128 heads 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4
-# (but batch 4 kv 4k ran 1.08x the tl time in the official grid of call 40 against call 33, two processes, so dense
-# from 16); sparse BF16 16 heads 1.04-1.12 at batch 4, 0.955 at batch 16 (call 54), 0.80-0.95 from 64; FP8 32/64/128
-# heads 0.58-1.00 at every batch; FP8 16 heads dense 0.90-1.01 (mixed), sparse 0.855 at batch 16 (call 54) and
-# 0.88-0.91 from 64. Dense BF16 16 heads ties at batch 64-128 on the H100 (0.99) and lost 6-13% there on an H200
-# (official grid of call 43 against call 36), so the 16-row tl tile keeps it.
+# warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
+# narrow form's table below takes the case). From same-process A/Bs on one H100
+# (bench/results/hopper_ab_h100_call{37,38,39,40}.txt; time ratio against the tl tile): BF16 64/128 heads
+# 0.60-0.98 at every batch; BF16 32 heads 1.26 at batch 1, 0.73-0.97 from batch 4 (but batch 4 kv 4k ran 1.08x
+# the tl time in the official grid of call 40 against call 33, two processes, so dense from 16); FP8 64/128 heads
+# 0.58-1.00 at every batch. (The wide form's measurements at 16/32 heads, where the narrow form runs now, are in
+# bench/TRITON_NOTES.md, rounds 14-17.)
 HOPPER_MIN_BATCH = {
-    ("16bit", 16): (None, 16), ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1),
-    ("fp8", 16): (None, 16), ("fp8", 32): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
+    ("16bit", 32): (16, 4), ("16bit", 64): (1, 1), ("16bit", 128): (1, 1), ("fp8", 64): (1, 1), ("fp8", 128): (1, 1),
 }
 # The same for the narrow form (16/32 rows; it takes precedence where both apply). Same-process A/Bs on one
 # H100 (time ratio against the wide kernel): FP8 16 heads 0.73-0.95 at every batch, dense and sparse (against
 # the tl tile 0.63-0.93), FP8 32 heads dense 0.83-0.97 (bench/results/hopper_ab_narrow_h100_call59.txt); FP8 32
 # heads sparse, with two loaders, 0.963 at batch 4, 0.881 at 16, 0.79-0.80 at 64-128 (batch 1 not measured;
-# hopper_ab_sparse_narrow_h100_call69.txt). 16-bit (two plain loaders): dense 0.89-1.02 (call 58, not used);
-# sparse 16 heads 0.967 at batch 16 and 0.97-0.98 at 64 (call 69), 0.964 at 128 (call 58; call 69 measured 0.76
-# there, with the wide kernel 1.26x slower than in call 58 and the grids), on an H200 0.86-0.97 at batch 16-128
-# (hopper_ab_sparse_narrow_h200_call73.txt), and at batch 4 1.04x the tl tile; sparse 32 heads 0.998-1.01 at
-# batch 4-16 and 1.00 / 0.97 at batch 64 / 128 (call 69), on an H200 0.94 / 0.86 at 64 / 128 (call 73).
+# hopper_ab_sparse_narrow_h100_call69.txt). 16-bit (two plain loaders): dense 0.89-1.02 (call 58), not used, and
+# dense BF16 16 heads keeps the tl tile (the wide form tied with it on the H100 and lost 6-13% on an H200, official
+# grid of call 43 against call 36); sparse 16 heads 0.967 at batch 16 and 0.97-0.98 at 64 (call 69), 0.964 at 128
+# (call 58; call 69 measured 0.76 there, with the wide kernel 1.26x slower than in call 58 and the grids), on an
+# H200 0.86-0.97 at batch 16-128 (hopper_ab_sparse_narrow_h200_call73.txt), and at batch 4 1.04x the tl tile;
+# sparse 32 heads 1.00-1.01 at batch 4-16 and 1.00 / 0.97 at batch 64 / 128 (call 69), on an H200 1.00-1.01 and
+# 0.94 / 0.86 (call 73).
 HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 16): (None, 16),
                            ("16bit", 32): (None, 64)}
 # The narrow form's FP8 loaders, by sparse: one staged loader for both halves of every tile (dense), or two
@@ -260,6 +261,16 @@ HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 1
 # over time with one, 16 and 32 heads): sparse 0.86-0.98 (batch 4-128), dense 1.01-1.06 (batch 1-128; the
 # loader alone took the same time either way, 423 against 424 us at batch 128 kv 16k).
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
+
+
+def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | None = None) -> int:
+    """The Hopper kernel's `STAGED_LOADERS`: in the narrow FP8 form `HOPPER_STAGED_LOADERS` (or a measurement
+    `override`), 1 otherwise (no other form reads it)."""
+    if not kv_fp8 or rows >= HOPPER_SHAPE[0]:
+        return 1
+    return override or HOPPER_STAGED_LOADERS[sparse]
+
+
 # Short requests at small batches stay on the tl tiles: below HOPPER_SHORT_BATCH requests, a batch whose
 # longest request is shorter than HOPPER_MIN_ITEMS tokens (or top-k slots) gives the warp-specialised kernel
 # too few tiles per program for its set-up (the 72 KiB query load, the first tile's wait): kv 1024 at batch
@@ -506,9 +517,10 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    narrow_fp8 = kv_fp8 and params.block_h < HOPPER_SHAPE[0]
+    loaders = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=common["SPARSE"],
+                             override=hopper.STAGED_LOADERS)
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=(hopper.STAGED_LOADERS or HOPPER_STAGED_LOADERS[common["SPARSE"]]) if narrow_fp8 else 1,
+        STAGED_LOADERS=loaders,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)

@@ -68,7 +68,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES, HOPPER_STAGED_LOADERS)
+        HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES, staged_loaders)
 
     fp8 = kv == "fp8"
     _, block_n, num_warps, stages = HOPPER_SHAPES[rows]
@@ -76,7 +76,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
                  SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
                  LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"], N_ROWS=rows,
-                 STAGED_LOADERS=HOPPER_STAGED_LOADERS[sparse] if fp8 and rows < 64 else 1)
+                 STAGED_LOADERS=staged_loaders(kv_fp8=fp8, rows=rows, sparse=sparse))
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}

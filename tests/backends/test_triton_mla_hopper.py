@@ -90,7 +90,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     from mla_tune.backends.triton_mla.launch import (
         HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_NARROW_MIN_BATCH, HOPPER_SHORT_BATCH, default_params)
 
-    min_batch = HOPPER_MIN_BATCH[(kind, bucket)][sparse]
+    min_batch = HOPPER_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
     narrow_min = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
     for batch in (1, 2, 4, 16, 64, 128):
         for items in (1024, 2048, 4096):
@@ -108,7 +108,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
 
 
 @pytest.mark.parametrize("heads,batch,items,kv_fp8,sparse,hopper", [
-    (16, 128, 16384, True, False, 16),     # FP8 16 heads, narrow form: 0.63 of the wide time (call 59)
+    (16, 128, 16384, True, False, 16),     # FP8 16 heads, narrow form: 0.73 of the wide time (call 59)
     (32, 4, 2048, True, True, 32),         # sparse FP8 32 heads at batch 4, two loaders: narrow 0.963 (call 69)
     (64, 1, 4096, False, False, True),     # measured 0.98 of the tl time (call 39)
     (64, 1, 1024, False, False, False),    # 1.45x slower in the official grids (short request, small batch)
@@ -118,7 +118,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (16, 128, 2048, False, True, 16),      # sparse BF16 16 heads at batch 64-128: narrow 0.96-0.98 of wide
     (16, 16, 2048, False, True, 16),       # ... 0.967 at batch 16 (call 69)
     (16, 4, 2048, False, True, False),     # ... the tl tile at batch 4 (narrow 1.04x, wide 1.13x its time)
-    (32, 64, 2048, False, True, 32),       # sparse BF16 32 heads from batch 64: narrow 0.97-1.00 (H100), 0.86-0.94 (H200)
+    (32, 64, 2048, False, True, 32),       # sparse BF16 32 heads, batch 64-128: narrow 0.97-1.00 (H100), 0.86-0.94
     (32, 16, 2048, False, True, 64),       # ... and the wide kernel below (narrow 1.01 at batch 16 on both)
 ])
 def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, hopper):
