@@ -39,8 +39,7 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
-NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2},
-          "direct4": {"FP8_DIRECT": 4}, "direct5": {"FP8_DIRECT": 5}}
+NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
 
 
 def candidate(spec: str):

@@ -57,9 +57,6 @@ DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
-# Measurement only (bench/hopper_dev.py): the narrow form's FP8-direct variant with this many ring slots of e4m3
-# tiles (`_mma_partition_direct`), instead of the staged loader's fp16 slots. None in production.
-FP8_DIRECT = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
@@ -421,140 +418,6 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
 
 
 @gluon.jit
-def _load_partition_direct(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                           kv8, full_bars, empty_bars,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                           DEBUG: gl.constexpr):
-    """The FP8-direct loader: `cp.async` of each tile's e4m3 rows (nine `[BLOCK_N, 64]` chunks) into ring slot
-    `t % STAGES`, no cast; each thread's `cp.async.mbarrier.arrive.noinc` completes the slot's barrier."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-                         layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    for t in range(n_tiles):
-        slot = t % STAGES
-        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-        if DEBUG != 2:
-            ptrs = row[:, None] + cols[None, :]
-            for c in gl.static_range(9):
-                async_copy.async_copy_global_to_shared(kv8.index(slot * 9 + c), ptrs + c * 64, mask=ok[:, None])
-        async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                             stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-
-
-@gluon.jit
-def _fp16_operand(chunk, layout: gl.constexpr):
-    """An e4m3 shared-memory chunk as a wgmma A operand in registers, cast to fp16."""
-    return chunk.load(layout).to(gl.float16)
-
-
-@gluon.jit
-def _pv_block(kv8, base, c: gl.constexpr, p_t, acc, alpha, a_layout: gl.constexpr):
-    """`o^T[64c : 64c + 64] = alpha * o^T + v^T p^T` for latent columns `64c .. 64c + 63` (A = v^T from registers)."""
-    a = _fp16_operand(kv8.index(base + c).permute((1, 0)), a_layout)
-    return warpgroup_mma(a, p_t, acc * alpha[None, :], is_async=True)
-
-
-@gluon.jit
-def _mma_partition_direct(q_lat, q_rope, kv8, p_smem, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                          pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
-                          stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
-                          N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
-                          SPARSE: gl.constexpr, DEBUG: gl.constexpr):
-    """The narrow form's MMA warpgroup on e4m3 slots: as `_mma_partition_narrow` (tokens on wgmma's M), but the
-    A operands come from registers, cast from the slot's e4m3 bytes chunk by chunk (`s^T = k q^T`: k as
-    stored; `o^T = v^T p^T`: v^T, the chunk read transposed), so no fp16 copy of the tile is ever written and
-    the loader only copies. The output is eight `[64, N_ROWS]` accumulators, one per 64 latent columns.
-    """
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, N_ROWS, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE, N_ROWS)
-    visible_len = seq_len - Q_LEN + 1 + qi
-    zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    acc0 = zero_s
-    acc1 = zero_s
-    acc2 = zero_s
-    acc3 = zero_s
-    acc4 = zero_s
-    acc5 = zero_s
-    acc6 = zero_s
-    acc7 = zero_s
-    m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
-    l_acc = zero_s
-    p_t = p_smem.permute((1, 0))
-    if DEBUG == 1:
-        _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-    for t in range(n_tiles if DEBUG != 1 else 0):
-        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
-        slot = t % STAGES
-        base = slot * 9
-        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        s = warpgroup_mma(_fp16_operand(kv8.index(base + 8), a_layout), q_rope.permute((1, 0)), zero_s,
-                          use_acc=False, is_async=True)
-        for c in gl.static_range(8):
-            s = warpgroup_mma(_fp16_operand(kv8.index(base + c), a_layout),
-                              q_lat.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # frees the previous chunk's A registers
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :]).to(gl.float16)
-        m_i = m_new
-        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-        p_smem.permute((1, 0)).store(p)
-        fence_async_shared()
-        # Each block waits for the one before it (one group in flight), so only two blocks' A registers are live.
-        acc0 = _pv_block(kv8, base, 0, p_t, acc0, alpha, a_layout)
-        acc1 = _pv_block(kv8, base, 1, p_t, acc1, alpha, a_layout)
-        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
-        acc2 = _pv_block(kv8, base, 2, p_t, acc2, alpha, a_layout)
-        acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
-        acc3 = _pv_block(kv8, base, 3, p_t, acc3, alpha, a_layout)
-        acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
-        acc4 = _pv_block(kv8, base, 4, p_t, acc4, alpha, a_layout)
-        acc3 = warpgroup_mma_wait(num_outstanding=1, deps=(acc3,))
-        acc5 = _pv_block(kv8, base, 5, p_t, acc5, alpha, a_layout)
-        acc4 = warpgroup_mma_wait(num_outstanding=1, deps=(acc4,))
-        acc6 = _pv_block(kv8, base, 6, p_t, acc6, alpha, a_layout)
-        acc5 = warpgroup_mma_wait(num_outstanding=1, deps=(acc5,))
-        acc7 = _pv_block(kv8, base, 7, p_t, acc7, alpha, a_layout)
-        acc6, acc7 = warpgroup_mma_wait(num_outstanding=0, deps=(acc6, acc7))
-        mbarrier.arrive(empty_bars.index(slot))
-
-    l_i = gl.sum(l_acc, 0)
-    qi, h, ok = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE, N_ROWS)
-    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
-    inv_l = _inv_sums(l_i, out_scale)
-    _store_block(o_row, acc0, inv_l, ok & store_o, 0, toks_s)
-    _store_block(o_row, acc1, inv_l, ok & store_o, 1, toks_s)
-    _store_block(o_row, acc2, inv_l, ok & store_o, 2, toks_s)
-    _store_block(o_row, acc3, inv_l, ok & store_o, 3, toks_s)
-    _store_block(o_row, acc4, inv_l, ok & store_o, 4, toks_s)
-    _store_block(o_row, acc5, inv_l, ok & store_o, 5, toks_s)
-    _store_block(o_row, acc6, inv_l, ok & store_o, 6, toks_s)
-    _store_block(o_row, acc7, inv_l, ok & store_o, 7, toks_s)
-    lse = _lse(m_i, l_i)
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
-             lse, mask=ok)
-
-
-@gluon.jit
-def _store_block(o_row, acc, inv_l, ok, c: gl.constexpr, cols_layout: gl.constexpr):
-    """Latent columns `64c .. 64c + 63` of the transposed output `acc` (`[64, N_ROWS]`), scaled by `inv_l`."""
-    cols = c * 64 + gl.arange(0, 64, layout=cols_layout)
-    gl.store(o_row[None, :] + cols[:, None], (acc * inv_l[None, :]).to(o_row.dtype.element_ty),
-             mask=ok[None, :] & (cols[:, None] < 512))
-
-
-@gluon.jit
 def _mla_hopper_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
@@ -569,7 +432,6 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
-    FP8_DIRECT: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -612,33 +474,17 @@ def _mla_hopper_kernel(
             q_rope.store(qc)
     fence_async_shared()
 
+    k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
+    k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # BF16 and FP8-direct: every loader thread arrives when its own copies land; FP8: one arrival per loader
-        # after its casts.
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8 and not FP8_DIRECT
+        # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
                       else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
-    if FP8_DIRECT:  # e4m3 slots, nine [BLOCK_N, 64] chunks each; the MMA warpgroup casts them in registers
-        kv8 = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [STAGES * 9, BLOCK_N, 64],
-                                        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
-        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        gl.warp_specialize([
-            (_mma_partition_direct, (q_lat, q_rope, kv8, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
-                                     DEBUG)),
-            (_load_partition_direct, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, kv8, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE,
-                                      DEBUG))],
-            [LOAD_WARPS], [LOAD_REGS])
-        return
-    k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
-    k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         if KV_FP8:

@@ -519,9 +519,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     loaders = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=common["SPARSE"],
                              override=hopper.STAGED_LOADERS)
-    direct = bool(hopper.FP8_DIRECT) and kv_fp8 and params.block_h < HOPPER_SHAPE[0]
     return hopper._mla_hopper_kernel[grid](
-        *args, **common, STAGES=hopper.FP8_DIRECT if direct else params.num_stages, KV_FP8=kv_fp8,
-        N_ROWS=params.block_h, LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=loaders, FP8_DIRECT=direct,
+        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
+        LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
+        STAGED_LOADERS=loaders,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
