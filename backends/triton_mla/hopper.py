@@ -57,9 +57,6 @@ DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
-# Measurement only (bench/hopper_dev.py): the wide form's row max kept per warpgroup (no exchange of its own; the
-# two maxima travel beside p and the halves are rescaled after p's exchange). None in production.
-HALF_MAX = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
@@ -285,7 +282,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                   DEBUG: gl.constexpr, HALF_MAX: gl.constexpr = False):
+                   DEBUG: gl.constexpr):
     """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
@@ -309,12 +306,6 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if DEBUG == 1:
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-    if HALF_MAX:
-        _mma_loop_half_max(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                           pid_m, b, split, seq_len, num_heads, start, end, n_tiles if DEBUG != 1 else 0, store_o,
-                           qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                           stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE)
-        return
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
         slot = t % STAGES
@@ -358,95 +349,6 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     lse = _lse(m_i, l_i)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
              lse, mask=ok_l)
-
-
-@gluon.jit
-def _wide_epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale,
-                   stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
-                   Q_LEN: gl.constexpr, SPARSE: gl.constexpr):
-    """The wide form's partial (or final) output and LSE (`m_i`, `l_i` in any row layout)."""
-    o_layout: gl.constexpr = acc.type.layout
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
-    cols_o = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
-    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
-    l_o = gl.convert_layout(l_i, rows_o)
-    inv_l = _inv_sums(l_o, out_scale)
-    gl.store(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
-             mask=(ok_o & store_o)[:, None] & (cols_o[None, :] < 512))
-    qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
-    lse = _lse(gl.convert_layout(m_i, rows_o), l_o)
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
-             lse, mask=ok_l)
-
-
-@gluon.jit
-def _mma_loop_half_max(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                       pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
-                       stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr):
-    """`_mma_partition`'s loop and epilogue with the row max kept per warpgroup (measurement switch `HALF_MAX`).
-
-    Each warpgroup keeps a running max `M_j` over its half of the tokens (a reduction inside each warp) and
-    computes its half of p against it (all values <= 1). The two maxima go to shared memory before p's exchange
-    (the exchange's barrier orders them) and are read back after it: with `m = max(m_prev, M_0, M_1)` each half is
-    multiplied by `exp2(M_j - m)`, so p is `exp2(s - m)` as before, with one cross-warpgroup exchange a tile
-    instead of two.
-    """
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows_p: gl.constexpr = gl.SliceLayout(1, p_layout)
-    HALF: gl.constexpr = BLOCK_N // 2
-
-    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
-    visible_len = seq_len - Q_LEN + 1 + qi
-    acc = gl.zeros([ROWS, 512], gl.float32, o_layout)
-    l_i = gl.zeros([ROWS], gl.float32, rows_p)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    # per-warpgroup running maxima [ROWS, 2] (the layout of a per-half reduction) and the common one
-    half_max = gl.max(gl.reshape(gl.full([ROWS, BLOCK_N], float("-inf"), gl.float32, s_layout), [ROWS, 2, HALF]), 2)
-    m_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    p_dtype: gl.constexpr = k_lat.dtype
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_p)
-    for t in range(n_tiles):
-        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
-        slot = t % STAGES
-        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        fence_async_shared()
-        kl = k_lat.index(slot)
-        s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-        s3 = gl.reshape(gl.where(visible, s * qk_scale, float("-inf")), [ROWS, 2, HALF])
-        half_max = gl.maximum(half_max, gl.max(s3, 2))
-        half_safe = gl.where(half_max == float("-inf"), 0.0, half_max)  # a half with nothing visible yet
-        p = gl.reshape(gl.exp2(s3 - half_safe[:, :, None]), [ROWS, BLOCK_N])
-        m_buf = m_smem.index(t % 2)  # two buffers: a tile's reads finish before the next tile's exchange
-        m_buf.store(half_max)
-        p3 = gl.reshape(gl.convert_layout(p.to(p_dtype), p_layout).to(gl.float32), [ROWS, 2, HALF])
-        both = m_buf.load(gl.SliceLayout(2, p3.type.layout))
-        m_new = gl.convert_layout(gl.maximum(gl.convert_layout(m_i, gl.SliceLayout(1, both.type.layout)),
-                                             gl.max(both, 1)), rows_p)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        scale = gl.exp2(both - gl.convert_layout(m_safe, gl.SliceLayout(1, both.type.layout))[:, None])
-        p_op = gl.convert_layout(gl.reshape(p3 * scale[:, :, None], [ROWS, BLOCK_N]).to(p_dtype), p_layout)
-        alpha = gl.exp2(m_i - m_safe)
-        m_i = m_new
-        l_i = l_i * alpha + gl.sum(p_op.to(gl.float32), 1)
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        acc = warpgroup_mma(p_op, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index(slot))
-    _wide_epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale,
-                   stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
-                   Q_LEN, SPARSE)
 
 
 @gluon.jit
@@ -530,7 +432,6 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
-    HALF_MAX: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -634,7 +535,7 @@ def _mla_hopper_kernel(
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, HALF_MAX)),
+                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG))],

@@ -522,5 +522,5 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=loaders, HALF_MAX=bool(hopper.HALF_MAX) and params.block_h >= HOPPER_SHAPE[0],
+        STAGED_LOADERS=loaders,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
