@@ -7,11 +7,11 @@ lookup machinery is imported on first use of `lookup`, `static_priority` or
 
 __version__ = "0.1.0"
 
-__all__ = ["Choice", "lookup", "static_priority", "__version__"]
+__all__ = ["Choice", "TileChoice", "kernel_tile", "lookup", "static_priority", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("lookup", "Choice"):
+    if name in ("lookup", "Choice", "kernel_tile", "TileChoice"):
         from mla_tune import runtime
 
         globals()[name] = getattr(runtime, name)

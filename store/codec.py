@@ -20,7 +20,7 @@ FINGERPRINT_FIELDS = ("torch", "triton", "flashinfer", "cuda_runtime", "driver",
 MEASUREMENT_FIELDS = ("backend", "batch_size", "kv_len", "status", "median_ms", "ci_low_ms",
                       "ci_high_ms", "samples", "rel_error", "reason", "gpu_uuid",
                       "sm_clock_mhz_before", "sm_clock_mhz_after", "temperature_c_before",
-                      "temperature_c_after", "measured_at")
+                      "temperature_c_after", "measured_at", "params")
 
 
 def clean_text(value: Any) -> Any:
@@ -92,7 +92,9 @@ def measurement_values(m: Measurement) -> dict[str, Any]:
 
 
 def measurement_from(row: Mapping[str, Any]) -> Measurement:
-    return Measurement(key=key_from(row), **{name: row[name] for name in MEASUREMENT_FIELDS})
+    values = {name: row[name] for name in MEASUREMENT_FIELDS}
+    values["params"] = _json(values["params"])
+    return Measurement(key=key_from(row), **values)
 
 
 def decision_values(d: Decision) -> dict[str, Any]:

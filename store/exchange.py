@@ -29,6 +29,8 @@ from mla_tune import __version__
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
 from mla_tune.store import codec, provenance
 from mla_tune.store.exchange_schema import DOCUMENT, FORMAT, SCHEMA_VERSION, SchemaError, check
+
+READABLE_VERSIONS = (1, SCHEMA_VERSION)
 from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinner
 
 MAX_IMPORT_BYTES = 256 * 1024 * 1024
@@ -173,7 +175,7 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise fail(f"uses export schema {version}, newer than this mla-tune {__version__} reads "
                    f"(up to {SCHEMA_VERSION}); upgrade mla-tune to import it")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise fail(f"has unknown export schema version {version!r} (this mla-tune reads {SCHEMA_VERSION})")
     stated = document.get("checksum")
     try:
@@ -183,6 +185,12 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     if stated != computed:
         raise fail(f"checksum mismatch: the file says {str(stated)[:80]!r}, its content hashes to "
                    f"{computed}; it was changed or damaged after export")
+    if version == 1:  # before measurements had `params`: checksummed as written, then read as null
+        measurements = document.get("content", {}).get("measurements") if isinstance(document.get("content"),
+                                                                                     dict) else None
+        for m in measurements if isinstance(measurements, list) else ():
+            if isinstance(m, dict):
+                m.setdefault("params", None)
     try:
         check(document, DOCUMENT, "export")
         _check_references(document["content"])

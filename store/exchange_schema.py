@@ -1,4 +1,4 @@
-"""The export file format (schema version 1) as data, and its strict validator.
+"""The export file format (schema version 2; version 1 files are read too) as data, and its strict validator.
 
 docs/export-schema.md describes the format for people; this module is what
 enforces it. Every field has one checker; a checker returns None or a
@@ -19,7 +19,7 @@ from mla_tune.backends.registry import BACKENDS
 from mla_tune.store.records import RUN_STATUSES, STATUSES
 
 FORMAT = "mla-tune-export"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2             # 2: measurements carry `params` (version 1 files have none; read as null)
 MAX_LIST = 2_000_000            # records per list; the byte limit bites first in practice
 
 
@@ -139,6 +139,38 @@ RUN = {
     "preset": string(64), "node": string(255), "status": one_of(RUN_STATUSES),
     "started_at": timestamp(empty=False), "finished_at": optional(timestamp()),
 }
+def optional_spec(spec):
+    """`spec` (a field spec of any kind) or null."""
+    def check_value(v):
+        if v is None:
+            return None
+        try:
+            check(v, spec, "")
+        except SchemaError as exc:
+            return str(exc).lstrip(".: ")
+        return None
+    return check_value
+
+
+def _tile_field(name) -> str | None:
+    return None if isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) else \
+        f"{_show(name)} is not a tile field name"
+
+
+def _tile_value(v) -> str | None:
+    return None if isinstance(v, int) and 0 <= v < 1 << 20 else f"{_show(v)} is not a tile value"
+
+
+def _label(name) -> str | None:
+    return None if isinstance(name, str) and 0 < len(name) <= 64 else f"{_show(name)} is not a launch label"
+
+
+# records.Measurement.params: the launch a refined backend was timed with. The tile's fields are checked by
+# name and kind here (the kernel's `tile_from_dict` checks them against its own fields before any use).
+PARAMS = {
+    "tile": ("map", _tile_field, _tile_value), "label": string(64, empty=False), "default_label": string(64),
+    "default_median_ms": optional(MS), "candidates": integer(1, 64), "rejected": ("map", _label, string(4096)),
+}
 MEASUREMENT = {
     "key": KEY, "run": optional(integer(0, MAX_LIST)), "fingerprint": optional(DIGEST),
     "backend": backend_name, "batch_size": integer(1, 1 << 20), "kv_len": integer(1, 1 << 26),
@@ -147,7 +179,7 @@ MEASUREMENT = {
     "rel_error": optional(number(0.0, 1e6)), "reason": string(4096), "gpu_uuid": string(96),
     "sm_clock_mhz_before": optional(integer(0, 100_000)), "sm_clock_mhz_after": optional(integer(0, 100_000)),
     "temperature_c_before": optional(integer(-50, 200)), "temperature_c_after": optional(integer(-50, 200)),
-    "measured_at": timestamp(),
+    "measured_at": timestamp(), "params": optional_spec(PARAMS),
 }
 SHAPE_WINNER = {"batch_size": integer(1, 1 << 20), "kv_len": integer(1, 1 << 26),
                 "backend": backend_name, "median_ms": MS}

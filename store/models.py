@@ -128,6 +128,7 @@ class MeasurementRow(KeyColumns, Base):
     temperature_c_before: Mapped[int | None] = mapped_column(Integer)
     temperature_c_after: Mapped[int | None] = mapped_column(Integer)
     measured_at: Mapped[str] = mapped_column(String(40), default="")
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON)   # records.Measurement.params (0002)
 
     @declared_attr.directive
     def __table_args__(cls):

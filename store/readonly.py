@@ -22,6 +22,8 @@ from mla_tune.store import codec
 from mla_tune.store.engine import CONNECT_TIMEOUT_S, default_url, mask_url, require_driver, translate_error
 from mla_tune.store.records import Decision
 from mla_tune.store.schema import KNOWN_REVISIONS, newer_schema_message
+
+TILES_REVISION = "0002"  # measurements.params
 from mla_tune.store.sqlite_file import StoreError, check_sqlite_file, sqlite_path
 
 _DECISION_COLUMNS = (*codec.KEY_FIELDS, "winner", "runner_up", "margin", "static_choice",
@@ -57,12 +59,15 @@ def _decision(row: Mapping[str, Any]) -> Decision:
     return codec.decision_from(row, fingerprint)
 
 
-def _check_revision(revisions: list[str], where: str) -> None:
+def _check_revision(revisions: list[str], where: str, *, needs_tiles: bool = False) -> None:
     if not revisions:
         raise StoreError(f"{where} has no mla-tune schema revision (not migrated); run `mla-tune db upgrade`")
     for revision in revisions:
         if revision not in KNOWN_REVISIONS:
             raise StoreError(newer_schema_message(where, revision))
+        if needs_tiles and KNOWN_REVISIONS.index(revision) < KNOWN_REVISIONS.index(TILES_REVISION):
+            raise StoreError(f"{where} has schema revision {revision}, older than the stored launch parameters "
+                             f"({TILES_REVISION}); run `mla-tune db upgrade`")
 
 
 def find_decisions(url: str | None = None, *, sku: str | None = None, device_name: str | None = None,
@@ -92,7 +97,7 @@ def find_decisions(url: str | None = None, *, sku: str | None = None, device_nam
     return _find_postgres(url, sql, params)
 
 
-def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any]) -> list[Decision]:
+def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert=None) -> list:
     import sqlite3
 
     check_sqlite_file(path, must_exist=True)
@@ -104,8 +109,9 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any]) -> list[
         if "alembic_version" not in tables:
             raise StoreError(f"{path} has no mla-tune tables (an SQLite database of something else, "
                              f"or never migrated); run `mla-tune db upgrade`")
-        _check_revision([r[0] for r in connection.execute("SELECT version_num FROM alembic_version")], path)
-        return [_decision(row) for row in connection.execute(sql, params)]
+        _check_revision([r[0] for r in connection.execute("SELECT version_num FROM alembic_version")], path,
+                        needs_tiles=convert is not None)
+        return [(convert or _decision)(row) for row in connection.execute(sql, params)]
     except sqlite3.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
     finally:
@@ -133,7 +139,7 @@ def _connect_ro(sqlite3, path: str):
     return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=CONNECT_TIMEOUT_S)
 
 
-def _find_postgres(url: str, sql: str, params: dict[str, Any]) -> list[Decision]:
+def _find_postgres(url: str, sql: str, params: dict[str, Any], convert=None) -> list:
     """Through psycopg directly: SQLAlchemy's import alone would add ~0.3 s to an engine's start."""
     scheme, _, rest = url.partition("://")
     if scheme not in ("postgresql", "postgresql+psycopg"):
@@ -157,7 +163,40 @@ def _find_postgres(url: str, sql: str, params: dict[str, Any]) -> list[Decision]
             except psycopg.errors.UndefinedTable:
                 raise StoreError(f"the database at {where} has no mla-tune tables; "
                                  f"run `mla-tune db upgrade`") from None
-            _check_revision(revisions, where)
-            return [_decision(row) for row in connection.execute(_PARAM.sub(r"%(\1)s", sql), params)]
+            _check_revision(revisions, where, needs_tiles=convert is not None)
+            return [(convert or _decision)(row) for row in connection.execute(_PARAM.sub(r"%(\1)s", sql), params)]
     except psycopg.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
+
+
+_TILE_SELECT = ("SELECT m.sku, m.batch_size, m.kv_len, m.params, m.measured_at, "
+                + ", ".join(f"f.{c} AS fp_{c}" for c in codec.FINGERPRINT_FIELDS)
+                + " FROM measurements m JOIN fingerprints f ON f.id = m.fingerprint_id"
+                + " WHERE m.backend = :backend AND m.status = 'ok' AND m.params IS NOT NULL")
+
+
+def find_tiles(url: str | None = None, *, backend: str, device_name: str,
+               key_fields: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The launches the tuner stored for a refined backend (our Triton kernel) on every SKU of `device_name`:
+    one dict per ok measurement with `sku`, `batch_size`, `kv_len`, `params` (records.Measurement.params),
+    `measured_at` and `fingerprint` (a SoftwareFingerprint). Raises StoreError as `find_decisions` does."""
+    where = [" AND substr(m.sku, 1, :prefix_len) = :prefix"]
+    prefix = f"{device_name} | "
+    params: dict[str, Any] = {"backend": backend, "prefix": prefix, "prefix_len": len(prefix)}
+    for name, value in key_fields.items():
+        if name not in codec.KEY_FIELDS:
+            raise ValueError(f"unknown decision key field {name!r}; known: {', '.join(codec.KEY_FIELDS)}")
+        where.append(f" AND m.{name} = :{name}")
+        params[name] = value
+    sql = _TILE_SELECT + "".join(where) + " ORDER BY m.measured_at DESC, m.id DESC"
+    url = url if url and str(url).strip() else default_url()
+    path = sqlite_path(url)
+    rows = _find_sqlite(path, url, sql, params, _tile_row) if path is not None else \
+        _find_postgres(url, sql, params, _tile_row)
+    return rows
+
+
+def _tile_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {"sku": row["sku"], "batch_size": int(row["batch_size"]), "kv_len": int(row["kv_len"]),
+            "params": codec._json(row["params"]), "measured_at": row["measured_at"],
+            "fingerprint": codec.fingerprint_from({c: row[f"fp_{c}"] for c in codec.FINGERPRINT_FIELDS})}

@@ -74,6 +74,10 @@ class Measurement:
     temperature_c_before: int | None = None
     temperature_c_after: int | None = None
     measured_at: str = ""                # ISO 8601, UTC
+    # A backend the tuner refines (our Triton kernel): the launch it was timed with, the fastest correct of its
+    # candidate tiles: {"tile": Tile fields, "label", "default_label", "default_median_ms", "candidates",
+    # "rejected": {label: why}}. None for every other backend.
+    params: dict | None = None
 
     def __post_init__(self):
         if self.status not in STATUSES:

@@ -43,6 +43,7 @@ class ShapeTask:
     rel_ci_target: float = 0.01
     max_seconds: float = 1.0
     adapters: tuple[tuple[str, str], ...] = ()   # name -> "module:Class" overrides (tests)
+    refine_tiles: bool = True                    # time every candidate tile of a backend that has them
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Outcome:
     reason: str = ""
     prepare_s: float | None = None        # prepare + first run (JIT, plan), untimed
     clocks: dict = field(default_factory=dict)   # sm_clock_mhz_before/after, temperature_c_before/after
+    params: dict | None = None            # a refined backend: the launch it was timed with (`_refined_params`)
 
 
 class PoisonedContext(RuntimeError):
@@ -128,11 +130,12 @@ def _is_fatal(exc: BaseException) -> bool:
     return any(marker in text for marker in _FATAL_MARKERS)
 
 
-def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit) -> dict[str, Callable[[], object]]:
-    """CUDA graphs of each backend over rotating input copies (cold L2), captured per backend.
+def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit, backend_of: dict,
+               on_failure) -> dict[str, Callable[[], object]]:
+    """CUDA graphs of each step over rotating input copies (cold L2), captured per step.
 
-    A backend whose capture raises is reported failed and left out (PoisonedContext when the
-    CUDA context is gone).
+    A step whose capture raises goes to `on_failure(step, Outcome)` and is left out (PoisonedContext when
+    the CUDA context is gone).
     """
     from mla_tune.backends.inputs import clone_data, input_set_bytes
     from mla_tune.tuner import timing
@@ -142,12 +145,12 @@ def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit) -> dict[str, Ca
     sets = clone_data(inputs, copies)
     steps = {}
     for name, runner in prepared.items():
-        emit(("begin", name, "capture"))
+        emit(("begin", backend_of[name], "capture"))
         try:
             steps[name] = timing.capture_graph(lambda runner=runner: [runner.run(s) for s in sets],
                                                iterations_per_replay=len(sets))
         except Exception as exc:  # noqa: BLE001 - a failure is data
-            emit(("result", name, Outcome("failed", reason=f"CUDA graph capture raised {describe_exception(exc)}")))
+            on_failure(name, Outcome("failed", reason=f"CUDA graph capture raised {describe_exception(exc)}"))
             if _is_fatal(exc):
                 raise PoisonedContext(describe_exception(exc)) from exc
     return steps
@@ -203,36 +206,41 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
         return
     info["inputs_and_reference_s"] = time.perf_counter() - t0
 
-    prepared: dict = {}
-    for name in task.backends:
-        emit(("begin", name, "prepare"))
+    steps = _steps(task, problem, inputs, overrides, emit)
+    backend_of = {step.name: step.backend for step in steps}
+    prepared: dict = {}   # step name -> (runner, rel_error, prepare_s)
+    failed = _Failures(steps, emit)
+    for step in steps:
+        emit(("begin", step.backend, "prepare"))
         t0 = time.perf_counter()
         try:
-            runner = _resolve(name, overrides)().prepare(problem, inputs)
+            runner = step.adapter.prepare(problem, inputs)
             out, lse = runner.run(inputs)
             if on_cuda:
                 torch.cuda.synchronize(dev)
             prepare_s = time.perf_counter() - t0
-            info["prepare_s"][name] = prepare_s
+            info["prepare_s"][step.name] = prepare_s
             verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
         except BackendUnavailable as exc:
-            emit(("result", name, Outcome("ineligible", reason=f"rejected at prepare: {exc}")))
+            failed[step.name] = Outcome("ineligible", reason=f"rejected at prepare: {exc}")
             continue
         except torch.OutOfMemoryError as exc:
             if on_cuda:
                 torch.cuda.empty_cache()
-            emit(("result", name, Outcome("failed", reason=f"out of memory at prepare: {describe_exception(exc)}")))
+            failed[step.name] = Outcome("failed", reason=f"out of memory at prepare: {describe_exception(exc)}")
             continue
         except Exception as exc:  # noqa: BLE001 - a failure is data
-            emit(("result", name, Outcome("failed", reason=f"prepare or first run raised {describe_exception(exc)}")))
+            failed[step.name] = Outcome("failed", reason=f"prepare or first run raised {describe_exception(exc)}")
             if on_cuda and _is_fatal(exc):
+                failed.report(prepared)
                 raise PoisonedContext(describe_exception(exc)) from exc
             continue
         if not verdict.ok:
-            emit(("result", name, Outcome("incorrect", rel_error=verdict.rel_error, reason=verdict.reason,
-                                          prepare_s=prepare_s)))
+            failed[step.name] = Outcome("incorrect", rel_error=verdict.rel_error, reason=verdict.reason,
+                                        prepare_s=prepare_s)
             continue
-        prepared[name] = (runner, verdict.rel_error, prepare_s)
+        prepared[step.name] = (runner, verdict.rel_error, prepare_s)
+    failed.report(prepared)
     if not prepared:
         emit(("shape_done", info))
         return
@@ -244,26 +252,33 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
     t0 = time.perf_counter()
     if on_cuda:
         free_now, _ = torch.cuda.mem_get_info(dev)
-        steps = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit)
-        prepared = {name: p for name, p in prepared.items() if name in steps}
+        try:
+            timed = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit,
+                               backend_of=backend_of, on_failure=failed.__setitem__)
+        finally:
+            prepared_now = {name: p for name, p in prepared.items() if name not in failed}
+            failed.report(prepared_now)
+        prepared = {name: p for name, p in prepared_now.items() if name in timed}
     else:
-        steps = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
-    if not steps:
+        timed = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
+    if not timed:
         emit(("shape_done", info))
         return
     try:
         emit(("begin", None, "timing"))
         clock_before, temp_before = nvml.read()
-        timings = bench(steps, rel_ci_target=task.rel_ci_target, max_seconds=task.max_seconds)
+        timings = bench(timed, rel_ci_target=task.rel_ci_target, max_seconds=task.max_seconds)
         clock_after, temp_after = nvml.read()
     except Exception as exc:  # noqa: BLE001
         reason = f"interleaved timing raised {describe_exception(exc)}"
-        if len(steps) == 1:
-            (name, (_, rel, prepare_s)), = prepared.items()
-            emit(("result", name, Outcome("failed", rel_error=rel, prepare_s=prepare_s, reason=reason)))
+        backends = tuple(dict.fromkeys(backend_of[name] for name in timed))
+        if len(backends) == 1:
+            name = next(iter(prepared))
+            _, rel, prepare_s = prepared[name]
+            emit(("result", backends[0], Outcome("failed", rel_error=rel, prepare_s=prepare_s, reason=reason)))
         else:
             # Which backend broke it is unknown: the parent times each one alone to find out.
-            emit(("timing_failed", reason, tuple(steps)))
+            emit(("timing_failed", reason, backends))
         if on_cuda and _is_fatal(exc):
             raise PoisonedContext(describe_exception(exc)) from exc
         emit(("shape_done", info))
@@ -271,17 +286,87 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
     info["timing_s"] = time.perf_counter() - t0
     clocks = dict(sm_clock_mhz_before=clock_before, sm_clock_mhz_after=clock_after,
                   temperature_c_before=temp_before, temperature_c_after=temp_after)
-    for name, (_, rel, prepare_s) in prepared.items():
-        timing = timings.get(name)
-        if timing is None:
-            emit(("result", name, Outcome("failed", rel_error=rel, prepare_s=prepare_s,
-                                          reason="the timing harness returned no time for it")))
+    for backend in dict.fromkeys(step.backend for step in steps):
+        mine = [step for step in steps if step.backend == backend and step.name in prepared]
+        if not mine:
+            continue  # reported by _report_failures
+        done = [(step, timings[step.name]) for step in mine if timings.get(step.name) is not None]
+        if not done:
+            _, rel, prepare_s = prepared[mine[0].name]
+            emit(("result", backend, Outcome("failed", rel_error=rel, prepare_s=prepare_s,
+                                             reason="the timing harness returned no time for it")))
             continue
-        emit(("result", name, Outcome("ok", median_ms=float(timing.median_ms),
-                                      ci_low_ms=float(timing.ci_low_ms), ci_high_ms=float(timing.ci_high_ms),
-                                      samples=int(timing.samples), rel_error=rel, prepare_s=prepare_s,
-                                      clocks=clocks)))
+        best, timing = min(done, key=lambda pair: pair[1].median_ms)
+        _, rel, prepare_s = prepared[best.name]
+        params = _refined_params(steps, best, timings, failed) if best.tile is not None else None
+        emit(("result", backend, Outcome("ok", median_ms=float(timing.median_ms),
+                                         ci_low_ms=float(timing.ci_low_ms), ci_high_ms=float(timing.ci_high_ms),
+                                         samples=int(timing.samples), rel_error=rel, prepare_s=prepare_s,
+                                         clocks=clocks, params=params)))
     if on_cuda:
         info["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     info["pid"] = os.getpid()
     emit(("shape_done", info))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One thing to time: a backend, or one candidate tile of a refined backend (`name` = `backend#i`)."""
+
+    name: str
+    backend: str
+    adapter: object
+    tile: tuple | None = None      # a `Tile` (NamedTuple) for a candidate
+    label: str = ""                # its launch parameters, `LaunchParams.label()`
+
+
+def _steps(task: ShapeTask, problem, inputs, overrides: dict, emit) -> list[_Step]:
+    """The steps of `task`: one per backend, or one per candidate tile where the adapter has `tile_candidates`
+    (our Triton kernel; the first candidate is its default) and `task.refine_tiles` is set."""
+    steps = []
+    for name in task.backends:
+        adapter = _resolve(name, overrides)()
+        choose = getattr(adapter, "tile_candidates", None) if task.refine_tiles else None
+        if choose is None:
+            steps.append(_Step(name, name, adapter))
+            continue
+        try:
+            candidates = choose(problem, inputs)
+        except Exception as exc:  # noqa: BLE001 - a failure is data
+            emit(("result", name, Outcome("failed", reason=f"choosing its candidate tiles raised "
+                                                            f"{describe_exception(exc)}")))
+            continue
+        steps += [_Step(f"{name}#{i}", name, type(adapter)(params=params), tile, params.label())
+                  for i, (tile, params) in enumerate(candidates)]
+    return steps
+
+
+class _Failures(dict):
+    """Step name -> Outcome of the steps that failed. `report` gives each backend none of whose steps is left
+    its first step's failure as its result, once; a refined backend's other failed candidates are listed with
+    its result instead (`_refined_params`)."""
+
+    def __init__(self, steps: list[_Step], emit):
+        super().__init__()
+        self.steps, self.emit, self.reported = steps, emit, set()
+
+    def report(self, prepared: dict) -> None:
+        for backend in dict.fromkeys(step.backend for step in self.steps):
+            mine = [step for step in self.steps if step.backend == backend]
+            if backend not in self.reported and all(step.name in self and step.name not in prepared
+                                                    for step in mine):
+                self.emit(("result", backend, self[mine[0].name]))
+                self.reported.add(backend)
+
+
+def _refined_params(steps: list[_Step], best: _Step, timings: dict, failed: dict) -> dict:
+    """What a refined backend's measurement records: the winning tile (`Tile` fields), its label, the default
+    tile's time (the first candidate) and why any candidate was left out."""
+    mine = [step for step in steps if step.backend == best.backend]
+    default = timings.get(mine[0].name)
+    return {"tile": best.tile._asdict(), "label": best.label,
+            "default_label": mine[0].label,
+            "default_median_ms": None if default is None else float(default.median_ms),
+            "candidates": len(mine),
+            "rejected": {step.label: failed[step.name].reason or failed[step.name].status
+                         for step in mine if step.name in failed}}

@@ -136,7 +136,7 @@ def _measurement(key: DecisionKey, backend: str, unit: Unit, outcome: Outcome, g
                        sm_clock_mhz_after=clocks.get("sm_clock_mhz_after"),
                        temperature_c_before=clocks.get("temperature_c_before"),
                        temperature_c_after=clocks.get("temperature_c_after"),
-                       measured_at=_now_iso())
+                       measured_at=_now_iso(), params=outcome.params)
 
 
 class _SkuTune:

@@ -9,7 +9,8 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, PARAM_SPACE, LaunchParams, Workspace, cc_major, default_params, launch, sm_count)
+    D_LATENT, PARAM_SPACE, LaunchParams, Tile, Workspace, candidate_tiles, cc_major, default_tile, launch,
+    packed_rows, params_from_tile, sm_count)
 
 
 class PreparedTritonMLA:
@@ -35,27 +36,53 @@ class TritonMLA:
     """mla-tune's Triton absorbed-MLA decode (dense paged KV; FP8 dequantised on load).
 
     Args:
-        params: launch parameters; None picks `default_params` for the problem,
-            the longest sequence of the inputs and the GPU's multiprocessor count.
+        params: launch parameters; None derives them from `tile` (or the default tile of `default_tile`),
+            with the splits chosen for the inputs' lengths and the GPU's multiprocessor count.
+        tile: a `Tile` (e.g. one the tuner stored for this device), ignored when `params` is given.
     """
 
     name: ClassVar[str] = "TRITON_MLA"
     param_space: ClassVar[dict] = PARAM_SPACE
     sparse: ClassVar[bool] = False
 
-    def __init__(self, params: LaunchParams | None = None):
+    def __init__(self, params: LaunchParams | None = None, tile: Tile | None = None):
         self.params = params
+        self.tile = tile
 
-    def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
-        """The launch parameters `prepare` will use (reads the lengths: a host sync, untimed)."""
-        if self.params is not None:
-            return self.params
+    def _shape(self, problem: Problem, inputs: DecodeInputs) -> dict:
+        """The shape facts tiles and splits are chosen from (reads the lengths: a host sync, untimed)."""
         batch = inputs.q.shape[0]
         lengths = [problem.topk] * batch if self.sparse else [int(n) for n in inputs.seq_lens.tolist()]
-        return default_params(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch,
-                              max_items=max(max(lengths), 1), num_sms=sm_count(inputs.q.device),
-                              sparse=self.sparse, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
-                              lengths=lengths, cc_major=cc_major(inputs.q.device))
+        return dict(batch=batch, lengths=lengths, max_items=max(max(lengths), 1), device=inputs.q.device)
+
+    def _params_for(self, tile: Tile, problem: Problem, shape: dict) -> LaunchParams:
+        return params_from_tile(tile, rows=packed_rows(problem.num_heads, problem.q_len, sparse=self.sparse),
+                                q_len=problem.q_len, batch=shape["batch"], max_items=shape["max_items"],
+                                num_sms=sm_count(shape["device"]), sparse=self.sparse, lengths=shape["lengths"])
+
+    def _tile_facts(self, problem: Problem, shape: dict) -> dict:
+        return dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=shape["batch"],
+                    max_items=shape["max_items"], sparse=self.sparse,
+                    kv_fp8=problem.kv_cache_dtype == "fp8_e4m3", cc_major=cc_major(shape["device"]))
+
+    def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
+        """The launch parameters `prepare` will use."""
+        if self.params is not None:
+            return self.params
+        shape = self._shape(problem, inputs)
+        return self._params_for(self.tile or default_tile(**self._tile_facts(problem, shape)), problem, shape)
+
+    def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
+        """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with
+        its parameters for these inputs, without tiles that come to the same parameters."""
+        shape = self._shape(problem, inputs)
+        seen, out = set(), []
+        for tile in candidate_tiles(**self._tile_facts(problem, shape)):
+            params = self._params_for(tile, problem, shape)
+            if params not in seen:
+                seen.add(params)
+                out.append((tile, params))
+        return out
 
     def prepare(self, problem: Problem, inputs: DecodeInputs) -> PreparedTritonMLA:
         check_inputs(problem, inputs)

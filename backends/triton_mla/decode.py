@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, D_ROPE, LaunchParams, Workspace, cc_major, default_params, launch, sm_count)
+    D_LATENT, D_ROPE, LaunchParams, Tile, Workspace, cc_major, default_tile, launch, packed_rows, params_from_tile,
+    sm_count, tile_from_dict)
 
 
 def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices) -> None:
@@ -49,7 +52,8 @@ def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_i
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, *, sm_scale: float, kv_lora_rank: int = 512,
                kv_scale=None, topk_indices: torch.Tensor | None = None,
-               params: LaunchParams | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               params: LaunchParams | None = None,
+               tile: Tile | Mapping | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode over a paged latent KV cache (dense or top-k sparse).
 
     Args:
@@ -61,8 +65,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         kv_lora_rank: latent width; only 512 is supported.
         kv_scale: None, a float, or a 0-d fp32 tensor (real value = stored value x kv_scale).
         topk_indices: int32 `[batch, q_len, topk]` token positions, -1 for unused (sparse).
-        params: launch parameters; None uses `default_params` (split count from the
-            block-table capacity, so no host sync).
+        params: launch parameters; None derives them from `tile` (or `default_tile`), the split
+            count from the block-table capacity (top-k for sparse), so no host sync.
+        tile: a `Tile` or its fields as a dict, e.g. the tuner's choice for this device from
+            `mla_tune.kernel_tile(...)`; ignored when `params` is given.
 
     Returns:
         `out` `[..., heads, 512]` in q's dtype and `lse` fp32 `[..., heads]` (natural log).
@@ -79,10 +85,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     sparse = topk_indices is not None
     if params is None:
         max_items = topk_indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
-        params = default_params(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
-                                num_sms=sm_count(q.device), sparse=sparse,
-                                kv_fp8=kv_cache.dtype == torch.float8_e4m3fn,
-                                cc_major=cc_major(q.device))
+        if tile is not None and not isinstance(tile, Tile):
+            tile = tile_from_dict(dict(tile))  # a dict or mapping, e.g. `mla_tune.kernel_tile(...).tile`
+        if tile is None:
+            tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                                kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, cc_major=cc_major(q.device))
+        params = params_from_tile(tile, rows=packed_rows(num_heads, q_len, sparse=sparse), q_len=q_len,
+                                  batch=batch, max_items=max_items, num_sms=sm_count(q.device), sparse=sparse)
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
     workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,

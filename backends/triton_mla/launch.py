@@ -369,17 +369,14 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
 BIG_TILE_CC_MAJORS = (9, 10)
 
 
-def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                   sparse: bool = False, kv_fp8: bool = False,
-                   lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
-    """The heuristic: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form) or
-    `HOPPER_MIN_BATCH` says it wins (and the
-    requests are not short, `HOPPER_MIN_ITEMS`), otherwise tiles from `TILE_TABLE` by head rows
-    (`SMALL_BATCH_TILES` for few requests); splits from batch x length x SMs.
+def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
+                 kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
+    """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form)
+    or `HOPPER_MIN_BATCH` says it wins (and the requests are not short, `HOPPER_MIN_ITEMS`), otherwise the tile
+    of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES` for few requests).
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
-        lengths: per-request lengths (dense) or top-k per request (sparse), when known.
         cc_major: the GPU's compute-capability major (None: the CPU interpreter).
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
@@ -389,16 +386,72 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
         for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
             if min_batch is not None and batch >= min_batch:
-                return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
-                                        num_sms=num_sms, sparse=sparse, lengths=lengths)
+                return tile
+    return _table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
+
+
+def _table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: int | None) -> Tile:
+    """The `tl` kernel's tile for a KV kind and rows bucket (16-row tiles where the 64-row ones do not fit)."""
     if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
         bucket = 16
     tile = (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
     max_batch, small_tile = (SPARSE_SMALL_BATCH_TILES if sparse else SMALL_BATCH_TILES).get((kind, bucket), (0, None))
-    if batch <= max_batch:
-        tile = small_tile
-    return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items,
-                            num_sms=num_sms, sparse=sparse, lengths=lengths)
+    return Tile(*(small_tile if batch <= max_batch else tile))
+
+
+def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+                   sparse: bool = False, kv_fp8: bool = False,
+                   lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
+    """`default_tile` with its splits for this shape (from batch x length x SMs; `lengths`: the per-request
+    lengths (dense) or top-k per request (sparse), when known)."""
+    tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                        kv_fp8=kv_fp8, cc_major=cc_major)
+    return params_from_tile(tile, rows=packed_rows(num_heads, q_len, sparse=sparse), q_len=q_len, batch=batch,
+                            max_items=max_items, num_sms=num_sms, sparse=sparse, lengths=lengths)
+
+
+# The tuner's refinement per device (`candidate_tiles`): besides the default tile it times the other kernel
+# family at the same rows (on SM90: the tl tile where the default is the warp-specialised kernel, and the other
+# way round, both forms of it for 16-32 rows) and the default with its minimum split scaled by these factors
+# (clamped to `PARAM_SPACE`), then keeps the fastest correct one per shape. At most REFINE_MAX_TILES in all.
+REFINE_SPLIT_FACTORS = (2.0, 0.5)
+REFINE_MAX_TILES = 4
+
+
+def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
+                    kv_fp8: bool = False, cc_major: int | None = None) -> list[Tile]:
+    """The tiles the tuner times for one shape, the default first, no duplicates (see REFINE_SPLIT_FACTORS)."""
+    default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                           kv_fp8=kv_fp8, cc_major=cc_major)
+    bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
+    family = []
+    if cc_major in HOPPER_CC_MAJORS:
+        if default.warp_specialized:
+            family.append(_table_tile("fp8" if kv_fp8 else "16bit", bucket, batch=batch, sparse=sparse,
+                                      cc_major=cc_major))
+        family += [HOPPER_TILES[b] for b in sorted({min(bucket, HOPPER_SHAPE[0]), HOPPER_SHAPE[0]})]
+    splits = PARAM_SPACE["min_split_tokens"]
+    scaled = [default._replace(min_split_tokens=min(max(int(default.min_split_tokens * f), splits[0]), splits[-1]))
+              for f in REFINE_SPLIT_FACTORS]
+    tiles = []
+    for tile in [default, *family, *scaled]:
+        if tile not in tiles and len(tiles) < REFINE_MAX_TILES:
+            tiles.append(tile)
+    return tiles
+
+
+def tile_from_dict(values: dict) -> Tile:
+    """A `Tile` from its stored fields (`Tile._asdict()`); ValueError if they do not make a valid launch."""
+    unknown = sorted(set(values) - set(Tile._fields))
+    if unknown:
+        raise ValueError(f"unknown tile field {unknown[0]!r}")
+    try:
+        tile = Tile(**values)
+    except TypeError as exc:
+        raise ValueError(f"incomplete tile: {exc}") from None
+    LaunchParams(**{name: getattr(tile, name) for name in LaunchParams.__dataclass_fields__
+                    if name in Tile._fields})  # raises ValueError for an impossible combination
+    return tile
 
 
 def m_blocks_of(params: LaunchParams, *, num_heads: int, q_len: int, sparse: bool) -> int:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fleet_data  # noqa: E402
 
 from mla_tune.store.exchange import ExchangeError, checksum, dumps, read_export, write_export  # noqa: E402
+from mla_tune.store.exchange_schema import SCHEMA_VERSION  # noqa: E402
 from mla_tune.store.importer import import_files  # noqa: E402
 from mla_tune.store.repository import Store  # noqa: E402
 from mla_tune.tuner.decide import decide  # noqa: E402
@@ -162,6 +163,10 @@ def _measurement(doc, **values):
     doc["content"]["measurements"][0].update(values)
 
 
+def _triton(doc) -> dict:
+    return next(m for m in doc["content"]["measurements"] if m["backend"] == "TRITON_MLA")
+
+
 HOSTILE = {
     "truncated": (lambda raw, doc: raw[: len(raw) // 2], "truncated"),
     "not JSON": (lambda raw, doc: b"\xff\xfe\x00 binary, not json", "not UTF-8 text"),
@@ -170,7 +175,7 @@ HOSTILE = {
     "a JSON list": (lambda raw, doc: b"[1, 2, 3]", "not an mla-tune export"),
     "another format": (lambda raw, doc: _edit(doc, lambda d: d.update(format="something-else")),
                        "not an mla-tune export"),
-    "newer schema": (lambda raw, doc: _edit(doc, lambda d: d.update(schema_version=2)),
+    "newer schema": (lambda raw, doc: _edit(doc, lambda d: d.update(schema_version=SCHEMA_VERSION + 1)),
                      "newer than this mla-tune"),
     "unknown schema": (lambda raw, doc: _edit(doc, lambda d: d.update(schema_version="1")),
                        "unknown export schema version"),
@@ -198,6 +203,8 @@ HOSTILE = {
                       "unknown field 'pickle'"),
     "duplicate field": (lambda raw, doc: raw.replace(b'"format":', b'"format": "x", "format":', 1),
                         "duplicate field 'format'"),
+    "bad tile value": (lambda raw, doc: _edit(doc, lambda d: _triton(d)["params"]["tile"].update(block_h="64; rm")),
+                       "params: tile['block_h']: '64; rm' is not a tile value"),
     "dangling run": (lambda raw, doc: _edit(doc, lambda d: _measurement(d, run=99)), "is not a run index"),
     "forged digest": (lambda raw, doc: _edit(doc, lambda d: d["content"]["fingerprints"][0].update(torch="9.9")),
                       "is not the digest of its fields"),
@@ -251,3 +258,24 @@ def test_export_records_its_producer_and_the_time_of_its_newest_record(source):
     assert document["producer"]["exported_at"] == max(stamps)
     with pytest.raises(ExchangeError, match="cannot be read"):
         read_export(source.parent / "missing.json")
+
+
+def test_a_version_1_file_without_launch_params_is_still_read(tmp_path, source, store_url):
+    # Schema 1 (before measurements had `params`): the same file as written then, checksummed as it was.
+    old = json.loads(source.read_text())
+    old["schema_version"] = 1
+    for m in old["content"]["measurements"]:
+        del m["params"]
+    path = tmp_path / "v1.json"
+    path.write_bytes(_resigned(old))
+    with Store.open(store_url) as store:
+        import_files(store, [path], decide=decide)
+        triton = [m for m in store.measurements() if m.backend == "TRITON_MLA"]
+    assert triton and all(m.params is None for m in triton)
+
+
+def test_launch_params_survive_export_and_import(tmp_path, source, store_url):
+    with Store.open(store_url) as store:
+        import_files(store, [source], decide=decide)
+        triton = [m for m in store.measurements() if m.backend == "TRITON_MLA"]
+    assert triton and all(m.params == fleet_data.TRITON_PARAMS for m in triton)

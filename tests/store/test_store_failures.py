@@ -17,6 +17,7 @@ import time
 import pytest
 from store_samples import FP, H100, decision, dump, file_digest, key, measurement
 
+from mla_tune.store.schema import HEAD_REVISION
 from mla_tune.store.engine import StoreError
 from mla_tune.store.readonly import find_decisions
 from mla_tune.store.repository import Store
@@ -77,7 +78,7 @@ def test_empty_file(tmp_path):
     assert path.read_bytes() == b""
     # A writer treats an empty file as a new database, as SQLite itself does.
     with Store.open(f"sqlite:///{path}") as store:
-        assert store.schema_revision() == "0001"
+        assert store.schema_revision() == HEAD_REVISION
 
 
 @pytest.mark.parametrize("content", [os.urandom(4096), b"name,heads\nTRITON_MLA,16\n" * 50, b"x"])

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 from store_samples import FP, FP_NEW, H100, H100_B, H200, decision, dump, key, measurement
 
+from mla_tune.store.schema import HEAD_REVISION
 from mla_tune.store.repository import Store
 
 
@@ -19,7 +20,7 @@ def store(store_url):
 def test_open_creates_sqlite_file_and_directory_and_migrates(tmp_path):
     path = tmp_path / "deep" / "er" / "mla.db"
     with Store.open(f"sqlite:///{path}") as store:
-        assert store.schema_revision() == "0001"
+        assert store.schema_revision() == HEAD_REVISION
         assert store.where == str(path)
         assert store.decisions() == []
     assert path.is_file()

@@ -25,7 +25,12 @@ measurements = st.builds(Measurement, key=keys, backend=st.sampled_from(["TRITON
                          status=st.sampled_from(STATUSES), median_ms=maybe_float, ci_low_ms=maybe_float,
                          ci_high_ms=maybe_float, samples=small_int, rel_error=maybe_float, reason=text,
                          gpu_uuid=text, sm_clock_mhz_before=st.none() | small_int,
-                         temperature_c_after=st.none() | st.integers(-50, 150), measured_at=text)
+                         temperature_c_after=st.none() | st.integers(-50, 150), measured_at=text,
+                         params=st.none() | st.fixed_dictionaries({
+                             "tile": st.dictionaries(st.sampled_from(["block_h", "num_warps", "split_d"]),
+                                                     st.integers(0, 1024) | st.booleans()),
+                             "label": text, "default_median_ms": maybe_float,
+                             "rejected": st.dictionaries(text, text, max_size=2)}))
 decisions = st.builds(Decision, key=keys, winner=st.sampled_from(["TRITON_MLA", "FLASHINFER_FA3_MLA"]),
                       static_choice=st.none() | st.just("FLASHMLA"),
                       scores=st.dictionaries(st.sampled_from(["TRITON_MLA", "FLASHMLA", "CUTLASS_MLA"]), floats),

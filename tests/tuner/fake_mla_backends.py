@@ -109,9 +109,41 @@ class FakeRaise:
         raise RuntimeError("fake library cannot plan this problem")
 
 
+class _FakeParams:
+    def __init__(self, label: str):
+        self._label = label
+
+    def label(self) -> str:
+        return self._label
+
+
+class FakeTiled:
+    """A backend with candidate tiles, as our Triton kernel has: tile 0 (its default) is correct, tile 1 lies
+    (10% too large), tile 2 raises at prepare, tile 3 is correct; their times come from MLA_TUNE_FAKE_MS by
+    step name (`FAKE_TILED#i`)."""
+
+    name = "FAKE_TILED"
+    TILES = ((64, 64), (64, 32), (32, 32), (16, 32))
+
+    def __init__(self, params=None):
+        self.params = params
+
+    def tile_candidates(self, problem, inputs):
+        from collections import namedtuple
+
+        tile = namedtuple("Tile", "block_h block_n")
+        return [(tile(*t), _FakeParams(f"h{t[0]}n{t[1]}")) for t in self.TILES]
+
+    def prepare(self, problem, inputs):
+        label = self.params.label() if self.params else "h64n64"
+        if label == "h32n32":
+            raise RuntimeError("fake tile does not fit")
+        return _Prepared(problem, scale=1.1 if label == "h64n32" else 1.0)
+
+
 ADAPTERS = {cls.name: f"fake_mla_backends:{cls.__name__}" for cls in
             (FakeGood, FakeOther, FakeThird, FakeLiar, FakeAbort, FakeSegfault, FakeHang, FakeRaise,
-             FakeLateAbort)}
+             FakeLateAbort, FakeTiled)}
 
 
 @dataclass(frozen=True)
