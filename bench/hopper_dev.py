@@ -35,7 +35,9 @@ from mla_tune.backends.triton_mla.launch import (  # noqa: E402
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
 SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (128, 16384)], [(128, 32768)]),
-              "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)])}
+              "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)]),
+              # short requests, where `launch.HOPPER_MIN_ITEMS` / `HOPPER_SHORT_BATCH` keep the tl tiles
+              "short": ([(1, 1024), (4, 1024), (16, 1024), (32, 1024), (16, 1536)], [])}
 
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
