@@ -271,13 +271,30 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | Non
     return override or HOPPER_STAGED_LOADERS[sparse]
 
 
-# Short requests at small batches stay on the tl tiles: below HOPPER_SHORT_BATCH requests, a batch whose
-# longest request is shorter than HOPPER_MIN_ITEMS tokens (or top-k slots) gives the warp-specialised kernel
-# too few tiles per program for its set-up (the 72 KiB query load, the first tile's wait): kv 1024 at batch
-# 1-16 ran 1.04-1.45x slower than the tl tiles in the official grids (H100 call 40 against call 33, H200
-# call 43 against 36), while batch 64-128 at kv 1024 and kv >= 4096 did not lose.
+# Short requests at small batches stay on the tl tiles: a batch whose longest request is shorter than
+# HOPPER_MIN_ITEMS tokens (or top-k slots) and that has fewer requests than HOPPER_SHORT_BATCH gives the
+# warp-specialised kernel too few tiles per program for its set-up (the query load, the first tile's wait).
+# Same-process A/Bs of the current kernels against the tl tiles at kv 1024 (batch 1-32) and 1536 (batch 16),
+# dense (bench/results/hopper_ab_short_{h100,h200}_call{89,90}.txt, H100 / H200 time ratios): batch 1-4 lose or
+# tie (up to 1.43x at bf16 64 heads batch 1) but for 128 heads at batch 4 (0.85-0.92); from batch 16 the form the
+# tables choose wins for FP8 16 heads (narrow, 0.79-0.88), FP8 32 heads (narrow, 0.66-0.73), FP8 64 heads and bf16
+# 64 heads (wide, 0.80-0.94) and 128 heads (wide, 0.71-0.83), not for bf16 32 heads (wide, 1.07 / 1.01 at batch 16,
+# 1.00 / 0.90 at 32); bf16 16 heads dense stays on the tl tile anyway. So dense short requests take it from batch
+# 16 where it won, and from HOPPER_SHORT_BATCH_DEFAULT otherwise (sparse too: top-k below 2048 was not measured;
+# kv 1024 at batch 1-16 ran 1.04-1.45x slower in the official grids of calls 40/43, batch 64 did not lose).
 HOPPER_MIN_ITEMS = 2048
-HOPPER_SHORT_BATCH = 64
+HOPPER_SHORT_BATCH_DEFAULT = 64
+HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8", 128): 16,
+                      ("16bit", 64): 16, ("16bit", 128): 16}  # dense, (KV kind, rows bucket) -> smallest batch
+
+
+def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse: bool) -> bool:
+    """Too few tiles per program for the warp-specialised kernel (see HOPPER_SHORT_BATCH)."""
+    min_batch = HOPPER_SHORT_BATCH_DEFAULT if sparse else HOPPER_SHORT_BATCH.get((kind, bucket),
+                                                                                 HOPPER_SHORT_BATCH_DEFAULT)
+    return max_items < HOPPER_MIN_ITEMS and batch < min_batch
+
+
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
 
 # Small batches: (KV kind, rows bucket) -> (largest batch, tile) replacing the table's tile up to that
@@ -372,7 +389,7 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                  kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
     """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form)
-    or `HOPPER_MIN_BATCH` says it wins (and the requests are not short, `HOPPER_MIN_ITEMS`), otherwise the tile
+    or `HOPPER_MIN_BATCH` says it wins (and the requests are not short, `short_requests`), otherwise the tile
     of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES` for few requests).
 
     Args:
@@ -381,7 +398,7 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
     """
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
-    short = max_items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
+    short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
         for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]

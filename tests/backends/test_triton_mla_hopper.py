@@ -88,7 +88,8 @@ def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
 @pytest.mark.parametrize("sparse", [False, True])
 def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bucket, sparse):
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_NARROW_MIN_BATCH, HOPPER_SHORT_BATCH, default_params)
+        HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_NARROW_MIN_BATCH, HOPPER_SHORT_BATCH, HOPPER_SHORT_BATCH_DEFAULT,
+        default_params)
 
     min_batch = HOPPER_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
     narrow_min = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
@@ -96,7 +97,9 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
         for items in (1024, 2048, 4096):
             kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                           kv_fp8=kind == "fp8", lengths=[items] * batch)
-            short = items < HOPPER_MIN_ITEMS and batch < HOPPER_SHORT_BATCH
+            short_batch = HOPPER_SHORT_BATCH_DEFAULT if sparse else HOPPER_SHORT_BATCH.get((kind, bucket),
+                                                                                           HOPPER_SHORT_BATCH_DEFAULT)
+            short = items < HOPPER_MIN_ITEMS and batch < short_batch
             narrow = narrow_min is not None and batch >= narrow_min and not short
             wide = min_batch is not None and batch >= min_batch and not short and not narrow
             hopper = default_params(**kwargs, cc_major=9)
@@ -113,6 +116,10 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (64, 1, 4096, False, False, True),     # measured 0.98 of the tl time (call 39)
     (64, 1, 1024, False, False, False),    # 1.45x slower in the official grids (short request, small batch)
     (64, 64, 1024, False, False, True),    # short requests at batch 64 did not lose
+    (64, 16, 1024, False, False, True),    # ... and at batch 16 they win now: 0.94 / 0.92 (H100 / H200, call 89/90)
+    (32, 16, 1024, True, False, 32),       # FP8 32 heads, narrow: 0.73 / 0.72 of the tl time
+    (32, 16, 1024, False, False, False),   # but bf16 32 heads short: the wide form 1.07 / 1.01, so the tl tile
+    (128, 4, 1024, True, False, False),    # batch 4 stays on the tl tile (128 heads won there, 0.87, unused)
     (16, 128, 16384, False, False, False),  # dense BF16 16 heads: H200 6-13% slower
     (32, 4, 16384, True, False, True),     # FP8 32 heads: 0.67 (call 40)
     (16, 128, 2048, False, True, 16),      # sparse BF16 16 heads at batch 64-128: narrow 0.96-0.98 of wide

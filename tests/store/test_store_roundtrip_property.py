@@ -13,6 +13,14 @@ from mla_tune.store.records import STATUSES, Decision, Measurement, ShapeWinner
 from mla_tune.store.repository import Store
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=200)
+
+
+def text_of(max_size: int):
+    """Text that fits a column of `max_size` characters (PostgreSQL refuses longer; SQLite would keep it)."""
+    return st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+                   max_size=max_size)
+
+
 floats = st.floats(min_value=1e-9, max_value=1e6, allow_nan=False, allow_infinity=False)
 maybe_float = st.none() | floats
 small_int = st.integers(min_value=0, max_value=2**31 - 1)
@@ -24,8 +32,8 @@ measurements = st.builds(Measurement, key=keys, backend=st.sampled_from(["TRITON
                          batch_size=st.integers(1, 1024), kv_len=st.integers(1, 1 << 20),
                          status=st.sampled_from(STATUSES), median_ms=maybe_float, ci_low_ms=maybe_float,
                          ci_high_ms=maybe_float, samples=small_int, rel_error=maybe_float, reason=text,
-                         gpu_uuid=text, sm_clock_mhz_before=st.none() | small_int,
-                         temperature_c_after=st.none() | st.integers(-50, 150), measured_at=text,
+                         gpu_uuid=text_of(96), sm_clock_mhz_before=st.none() | small_int,
+                         temperature_c_after=st.none() | st.integers(-50, 150), measured_at=text_of(40),
                          params=st.none() | st.fixed_dictionaries({
                              "tile": st.dictionaries(st.sampled_from(["block_h", "num_warps", "split_d"]),
                                                      st.integers(0, 1024) | st.booleans()),
@@ -34,13 +42,13 @@ measurements = st.builds(Measurement, key=keys, backend=st.sampled_from(["TRITON
 decisions = st.builds(Decision, key=keys, winner=st.sampled_from(["TRITON_MLA", "FLASHINFER_FA3_MLA"]),
                       static_choice=st.none() | st.just("FLASHMLA"),
                       scores=st.dictionaries(st.sampled_from(["TRITON_MLA", "FLASHMLA", "CUTLASS_MLA"]), floats),
-                      runner_up=st.none() | text, margin=maybe_float, static_score=maybe_float,
+                      runner_up=st.none() | text_of(64), margin=maybe_float, static_score=maybe_float,
                       noise_margin=floats, kept_static=st.booleans(),
                       per_shape=st.lists(st.builds(ShapeWinner, st.integers(1, 1024), st.integers(1, 1 << 20),
                                                    st.just("TRITON_MLA"), floats), max_size=5).map(tuple),
                       anomalies=st.lists(text, max_size=3).map(tuple),
                       failures=st.dictionaries(text, text, max_size=3), fingerprint=st.just(FP),
-                      gpu_uuids=st.lists(text, max_size=3).map(tuple), decided_at=text)
+                      gpu_uuids=st.lists(text, max_size=3).map(tuple), decided_at=text_of(40))
 
 
 @pytest.fixture(scope="module")
