@@ -276,7 +276,8 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | Non
 # warp-specialised kernel too few tiles per program for its set-up (the query load, the first tile's wait).
 # Same-process A/Bs of the current kernels against the tl tiles at kv 1024 (batch 1-32) and 1536 (batch 16),
 # dense (bench/results/hopper_ab_short_{h100,h200}_call{89,90}.txt, H100 / H200 time ratios): batch 1-4 lose or
-# tie (up to 1.43x at bf16 64 heads batch 1) but for 128 heads at batch 4 (0.85-0.92); from batch 16 the form the
+# tie (up to 1.43x at bf16 64 heads batch 1) but for 128 heads at batch 4 (0.85-0.92, so from batch 4 there;
+# batch 1 1.04-1.06); from batch 16 the form the
 # tables choose wins for FP8 16 heads (narrow, 0.79-0.88), FP8 32 heads (narrow, 0.66-0.73), FP8 64 heads and bf16
 # 64 heads (wide, 0.80-0.94) and 128 heads (wide, 0.71-0.83), not for bf16 32 heads (wide, 1.07 / 1.01 at batch 16,
 # 1.00 / 0.90 at 32); bf16 16 heads dense stays on the tl tile anyway. So dense short requests take it from batch
@@ -284,8 +285,8 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | Non
 # kv 1024 at batch 1-16 ran 1.04-1.45x slower in the official grids of calls 40/43, batch 64 did not lose).
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH_DEFAULT = 64
-HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8", 128): 16,
-                      ("16bit", 64): 16, ("16bit", 128): 16}  # dense, (KV kind, rows bucket) -> smallest batch
+HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8", 128): 4,
+                      ("16bit", 64): 16, ("16bit", 128): 4}  # dense, (KV kind, rows bucket) -> smallest batch
 
 
 def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse: bool) -> bool:

@@ -32,6 +32,12 @@ def test_tune_two_keys_on_this_gpu(tmp_path, monkeypatch):
     assert all(m.rel_error < 2e-2 and m.median_ms > 0 and m.ci_low_ms <= m.median_ms <= m.ci_high_ms
                for m in timed)
     assert all(m.sm_clock_mhz_before and m.temperature_c_after for m in timed)
+    # our Triton kernel was refined: its time is its fastest correct candidate tile, and the tile is recorded
+    triton = [m for m in timed if m.backend == "TRITON_MLA"]
+    assert triton and all(m.params and m.params["tile"] and m.params["candidates"] >= 1 and not m.params["rejected"]
+                          for m in triton), [m.params for m in triton]
+    if device.compute_capability[0] == 9:  # both kernel families are candidates there
+        assert all(m.params["candidates"] >= 2 for m in triton)
     assert report.peak_memory_bytes.get(device.uuid, 0) > 0
     for d in decisions:
         assert d.winner in d.scores and d.scores[d.winner] <= min(d.scores.values()) * 1.02
