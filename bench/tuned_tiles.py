@@ -21,6 +21,7 @@ def main(url: str) -> None:
     from mla_tune.backends.reference import mla_reference
     from mla_tune.backends.triton_mla import mla_decode
     from mla_tune.store.repository import Store
+    from mla_tune.tuner.gate import check_output
 
     with Store.open(url) as store:
         rows = [m for m in store.measurements() if m.backend.startswith("TRITON_MLA") and m.params]
@@ -45,13 +46,15 @@ def main(url: str) -> None:
         problem = Problem(num_heads=k.num_heads, kv_cache_dtype=k.kv_cache_dtype, page_size=k.page_size,
                           topk=k.topk or None)
         inputs = make_inputs(problem, Shape(m.batch_size, m.kv_len), device=torch.device("cuda"), seed=5)
-        out, _ = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
-                            kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices, tile=choice.tile)
-        ref, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
-                               sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices)
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        print(f"{k.kv_cache_dtype:9} {k.num_heads:5} {m.batch_size:5} {m.kv_len:6}  {choice.source:6} "
-              f"matches {p_label(choice)}: rel err {err:.1e}")
+        out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                              sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices,
+                              tile=choice.tile)
+        ref, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
+                                     topk_indices=inputs.topk_indices)
+        verdict = check_output(out, lse, ref, ref_lse, kv_cache_dtype=k.kv_cache_dtype)
+        print(f"{k.kv_cache_dtype:9} {k.num_heads:5} {m.batch_size:5} {m.kv_len:6}  {choice.source:6} tile "
+              f"{p_label(choice)}: rel err {verdict.rel_error:.1e}, {'passes' if verdict.ok else 'FAILS'} the gate")
 
 
 def p_label(choice) -> str:

@@ -29,8 +29,6 @@ from mla_tune import __version__
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
 from mla_tune.store import codec, provenance
 from mla_tune.store.exchange_schema import DOCUMENT, FORMAT, SCHEMA_VERSION, SchemaError, check
-
-READABLE_VERSIONS = (1, SCHEMA_VERSION)
 from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinner
 
 MAX_IMPORT_BYTES = 256 * 1024 * 1024
@@ -175,8 +173,8 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise fail(f"uses export schema {version}, newer than this mla-tune {__version__} reads "
                    f"(up to {SCHEMA_VERSION}); upgrade mla-tune to import it")
-    if version not in READABLE_VERSIONS or isinstance(version, bool):
-        raise fail(f"has unknown export schema version {version!r} (this mla-tune reads {SCHEMA_VERSION})")
+    if isinstance(version, bool) or version not in range(1, SCHEMA_VERSION + 1):
+        raise fail(f"has unknown export schema version {version!r} (this mla-tune reads 1 to {SCHEMA_VERSION})")
     stated = document.get("checksum")
     try:
         computed = checksum(document)
@@ -186,11 +184,8 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
         raise fail(f"checksum mismatch: the file says {str(stated)[:80]!r}, its content hashes to "
                    f"{computed}; it was changed or damaged after export")
     if version == 1:  # before measurements had `params`: checksummed as written, then read as null
-        measurements = document.get("content", {}).get("measurements") if isinstance(document.get("content"),
-                                                                                     dict) else None
-        for m in measurements if isinstance(measurements, list) else ():
-            if isinstance(m, dict):
-                m.setdefault("params", None)
+        for m in _records(document, "measurements"):
+            m.setdefault("params", None)
     try:
         check(document, DOCUMENT, "export")
         _check_references(document["content"])
@@ -199,6 +194,13 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     except RecursionError:
         raise fail(MAX_DEPTH_ERROR) from None
     return document
+
+
+def _records(document: dict, name: str) -> list[dict]:
+    """The `content.<name>` records that are objects (the schema check names whatever else is there)."""
+    content = document.get("content")
+    records = content.get(name) if isinstance(content, dict) else None
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
 
 
 def _check_references(content: dict) -> None:

@@ -139,37 +139,16 @@ RUN = {
     "preset": string(64), "node": string(255), "status": one_of(RUN_STATUSES),
     "started_at": timestamp(empty=False), "finished_at": optional(timestamp()),
 }
-def optional_spec(spec):
-    """`spec` (a field spec of any kind) or null."""
-    def check_value(v):
-        if v is None:
-            return None
-        try:
-            check(v, spec, "")
-        except SchemaError as exc:
-            return str(exc).lstrip(".: ")
-        return None
-    return check_value
-
-
-def _tile_field(name) -> str | None:
-    return None if isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name) else \
-        f"{_show(name)} is not a tile field name"
-
-
 def _tile_value(v) -> str | None:
     return None if isinstance(v, int) and 0 <= v < 1 << 20 else f"{_show(v)} is not a tile value"
-
-
-def _label(name) -> str | None:
-    return None if isinstance(name, str) and 0 < len(name) <= 64 else f"{_show(name)} is not a launch label"
 
 
 # records.Measurement.params: the launch a refined backend was timed with. The tile's fields are checked by
 # name and kind here (the kernel's `tile_from_dict` checks them against its own fields before any use).
 PARAMS = {
-    "tile": ("map", _tile_field, _tile_value), "label": string(64, empty=False), "default_label": string(64),
-    "default_median_ms": optional(MS), "candidates": integer(1, 64), "rejected": ("map", _label, string(4096)),
+    "tile": ("map", string(32, empty=False, pattern=r"[a-z][a-z0-9_]*"), _tile_value),
+    "label": string(64, empty=False), "default_label": string(64), "default_median_ms": optional(MS),
+    "candidates": integer(1, 64), "rejected": ("map", string(64, empty=False), string(4096)),
 }
 MEASUREMENT = {
     "key": KEY, "run": optional(integer(0, MAX_LIST)), "fingerprint": optional(DIGEST),
@@ -179,7 +158,7 @@ MEASUREMENT = {
     "rel_error": optional(number(0.0, 1e6)), "reason": string(4096), "gpu_uuid": string(96),
     "sm_clock_mhz_before": optional(integer(0, 100_000)), "sm_clock_mhz_after": optional(integer(0, 100_000)),
     "temperature_c_before": optional(integer(-50, 200)), "temperature_c_after": optional(integer(-50, 200)),
-    "measured_at": timestamp(), "params": optional_spec(PARAMS),
+    "measured_at": timestamp(), "params": ("optional", PARAMS),
 }
 SHAPE_WINNER = {"batch_size": integer(1, 1 << 20), "kv_len": integer(1, 1 << 26),
                 "backend": backend_name, "median_ms": MS}
@@ -220,6 +199,9 @@ def check(value, spec, path: str) -> None:
             raise SchemaError(f"{path}: {len(value)} entries is more than {MAX_LIST}")
         for i, item in enumerate(value):
             check(item, spec[1], f"{path}[{i}]")
+    elif isinstance(spec, tuple) and spec[0] == "optional":
+        if value is not None:
+            check(value, spec[1], path)
     elif isinstance(spec, tuple) and spec[0] == "map":
         if not isinstance(value, dict):
             raise SchemaError(f"{path}: {_show(value)} is not an object")

@@ -22,9 +22,9 @@ from mla_tune.store import codec
 from mla_tune.store.engine import CONNECT_TIMEOUT_S, default_url, mask_url, require_driver, translate_error
 from mla_tune.store.records import Decision
 from mla_tune.store.schema import KNOWN_REVISIONS, newer_schema_message
-
-TILES_REVISION = "0002"  # measurements.params
 from mla_tune.store.sqlite_file import StoreError, check_sqlite_file, sqlite_path
+
+TILES_REVISION = "0002"  # the first schema with measurements.params
 
 _DECISION_COLUMNS = (*codec.KEY_FIELDS, "winner", "runner_up", "margin", "static_choice",
                      "static_score", "noise_margin", "kept_static", "scores", "per_shape",
@@ -36,22 +36,25 @@ _PARAM = re.compile(r":(\w+)")  # our named parameters, rewritten to psycopg's %
 _ORDER = " ORDER BY d.decided_at DESC, d.updated_at DESC, d.id DESC"
 
 
-def _query(*, sku: str | None, device_name: str | None,
-           key_fields: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    where, params = [], {}
+def _query(select: str, order: str, alias: str, *, sku: str | None, device_name: str | None,
+           key_fields: Mapping[str, Any] | None, where: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """`select` filtered on table `alias` by SKU (or every SKU of a device name), decision-key fields and the
+    `where` column values, then `order`."""
+    clauses, params = [], {}
     if sku is not None:
-        where.append("d.sku = :sku")
+        clauses.append(f"{alias}.sku = :sku")
         params["sku"] = sku
     elif device_name is not None:
         prefix = f"{device_name} | "
-        where.append("substr(d.sku, 1, :prefix_len) = :prefix")
+        clauses.append(f"substr({alias}.sku, 1, :prefix_len) = :prefix")
         params.update(prefix=prefix, prefix_len=len(prefix))
-    for name, value in (key_fields or {}).items():
-        if name not in codec.KEY_FIELDS:
-            raise ValueError(f"unknown decision key field {name!r}; known: {', '.join(codec.KEY_FIELDS)}")
-        where.append(f"d.{name} = :{name}")
+    unknown = [name for name in key_fields or {} if name not in codec.KEY_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown decision key field {unknown[0]!r}; known: {', '.join(codec.KEY_FIELDS)}")
+    for name, value in {**(key_fields or {}), **(where or {})}.items():
+        clauses.append(f"{alias}.{name} = :{name}")
         params[name] = value
-    return _SELECT + (" WHERE " + " AND ".join(where) if where else "") + _ORDER, params
+    return select + (" WHERE " + " AND ".join(clauses) if clauses else "") + order, params
 
 
 def _decision(row: Mapping[str, Any]) -> Decision:
@@ -59,15 +62,15 @@ def _decision(row: Mapping[str, Any]) -> Decision:
     return codec.decision_from(row, fingerprint)
 
 
-def _check_revision(revisions: list[str], where: str, *, needs_tiles: bool = False) -> None:
+def _check_revision(revisions: list[str], where: str, min_revision: str) -> None:
     if not revisions:
         raise StoreError(f"{where} has no mla-tune schema revision (not migrated); run `mla-tune db upgrade`")
     for revision in revisions:
         if revision not in KNOWN_REVISIONS:
             raise StoreError(newer_schema_message(where, revision))
-        if needs_tiles and KNOWN_REVISIONS.index(revision) < KNOWN_REVISIONS.index(TILES_REVISION):
-            raise StoreError(f"{where} has schema revision {revision}, older than the stored launch parameters "
-                             f"({TILES_REVISION}); run `mla-tune db upgrade`")
+        if KNOWN_REVISIONS.index(revision) < KNOWN_REVISIONS.index(min_revision):
+            raise StoreError(f"{where} has schema revision {revision}, older than the {min_revision} this read "
+                             f"needs; run `mla-tune db upgrade`")
 
 
 def find_decisions(url: str | None = None, *, sku: str | None = None, device_name: str | None = None,
@@ -89,15 +92,22 @@ def find_decisions(url: str | None = None, *, sku: str | None = None, device_nam
             unknown schema, or unreachable.
         ValueError: `key_fields` names a field that is not part of a decision key.
     """
-    sql, params = _query(sku=sku, device_name=device_name, key_fields=key_fields)
+    sql, params = _query(_SELECT, _ORDER, "d", sku=sku, device_name=device_name, key_fields=key_fields)
+    return _find(url, sql, params, _decision)
+
+
+def _find(url: str | None, sql: str, params: dict[str, Any], convert, *,
+          min_revision: str = KNOWN_REVISIONS[0]) -> list:
+    """`convert` of every row `sql` selects in the store at `url` (None: `$MLA_TUNE_DB` or the default file),
+    which must be at `min_revision` or later."""
     url = url if url and str(url).strip() else default_url()
     path = sqlite_path(url)
     if path is not None:
-        return _find_sqlite(path, url, sql, params)
-    return _find_postgres(url, sql, params)
+        return _find_sqlite(path, url, sql, params, convert, min_revision)
+    return _find_postgres(url, sql, params, convert, min_revision)
 
 
-def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert=None) -> list:
+def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert, min_revision: str) -> list:
     import sqlite3
 
     check_sqlite_file(path, must_exist=True)
@@ -110,8 +120,8 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert=
             raise StoreError(f"{path} has no mla-tune tables (an SQLite database of something else, "
                              f"or never migrated); run `mla-tune db upgrade`")
         _check_revision([r[0] for r in connection.execute("SELECT version_num FROM alembic_version")], path,
-                        needs_tiles=convert is not None)
-        return [(convert or _decision)(row) for row in connection.execute(sql, params)]
+                        min_revision)
+        return [convert(row) for row in connection.execute(sql, params)]
     except sqlite3.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
     finally:
@@ -139,7 +149,7 @@ def _connect_ro(sqlite3, path: str):
     return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=CONNECT_TIMEOUT_S)
 
 
-def _find_postgres(url: str, sql: str, params: dict[str, Any], convert=None) -> list:
+def _find_postgres(url: str, sql: str, params: dict[str, Any], convert, min_revision: str) -> list:
     """Through psycopg directly: SQLAlchemy's import alone would add ~0.3 s to an engine's start."""
     scheme, _, rest = url.partition("://")
     if scheme not in ("postgresql", "postgresql+psycopg"):
@@ -163,37 +173,28 @@ def _find_postgres(url: str, sql: str, params: dict[str, Any], convert=None) -> 
             except psycopg.errors.UndefinedTable:
                 raise StoreError(f"the database at {where} has no mla-tune tables; "
                                  f"run `mla-tune db upgrade`") from None
-            _check_revision(revisions, where, needs_tiles=convert is not None)
-            return [(convert or _decision)(row) for row in connection.execute(_PARAM.sub(r"%(\1)s", sql), params)]
+            _check_revision(revisions, where, min_revision)
+            return [convert(row) for row in connection.execute(_PARAM.sub(r"%(\1)s", sql), params)]
     except psycopg.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
 
 
 _TILE_SELECT = ("SELECT m.sku, m.batch_size, m.kv_len, m.params, m.measured_at, "
                 + ", ".join(f"f.{c} AS fp_{c}" for c in codec.FINGERPRINT_FIELDS)
-                + " FROM measurements m JOIN fingerprints f ON f.id = m.fingerprint_id"
-                + " WHERE m.backend = :backend AND m.status = 'ok' AND m.params IS NOT NULL")
+                + " FROM measurements m JOIN fingerprints f ON f.id = m.fingerprint_id")
+_TILE_ORDER = " ORDER BY m.measured_at DESC, m.id DESC"
 
 
 def find_tiles(url: str | None = None, *, backend: str, device_name: str,
                key_fields: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The launches the tuner stored for a refined backend (our Triton kernel) on every SKU of `device_name`:
-    one dict per ok measurement with `sku`, `batch_size`, `kv_len`, `params` (records.Measurement.params),
-    `measured_at` and `fingerprint` (a SoftwareFingerprint). Raises StoreError as `find_decisions` does."""
-    where = [" AND substr(m.sku, 1, :prefix_len) = :prefix"]
-    prefix = f"{device_name} | "
-    params: dict[str, Any] = {"backend": backend, "prefix": prefix, "prefix_len": len(prefix)}
-    for name, value in key_fields.items():
-        if name not in codec.KEY_FIELDS:
-            raise ValueError(f"unknown decision key field {name!r}; known: {', '.join(codec.KEY_FIELDS)}")
-        where.append(f" AND m.{name} = :{name}")
-        params[name] = value
-    sql = _TILE_SELECT + "".join(where) + " ORDER BY m.measured_at DESC, m.id DESC"
-    url = url if url and str(url).strip() else default_url()
-    path = sqlite_path(url)
-    rows = _find_sqlite(path, url, sql, params, _tile_row) if path is not None else \
-        _find_postgres(url, sql, params, _tile_row)
-    return rows
+    """The launches the tuner stored for a refined backend (our Triton kernel) on every SKU of `device_name`,
+    newest first: one dict per ok measurement with `sku`, `batch_size`, `kv_len`, `params`
+    (records.Measurement.params), `measured_at` and `fingerprint` (a SoftwareFingerprint). Raises StoreError as
+    `find_decisions` does, and for a store older than TILES_REVISION."""
+    sql, params = _query(_TILE_SELECT, _TILE_ORDER, "m", sku=None, device_name=device_name, key_fields=key_fields,
+                         where={"backend": backend, "status": "ok"})
+    rows = _find(url, sql, params, _tile_row, min_revision=TILES_REVISION)
+    return [row for row in rows if row["params"] is not None]  # measured before the refinement: none
 
 
 def _tile_row(row: Mapping[str, Any]) -> dict[str, Any]:

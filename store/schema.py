@@ -11,7 +11,7 @@ KNOWN_REVISIONS: tuple[str, ...] = ("0001", "0002")
 HEAD_REVISION = KNOWN_REVISIONS[-1]
 
 # Tables the read-only lookup reads.
-LOOKUP_TABLES = ("decisions", "fingerprints")
+LOOKUP_TABLES = ("decisions", "fingerprints", "measurements")  # measurements: `kernel_tile`
 
 
 def newer_schema_message(where: str, revision: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from mla_tune import kernel_tile
+from mla_tune.runtime import clear_cache
 from mla_tune.backends.device import DeviceInfo
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.software import current_fingerprint
@@ -24,6 +25,21 @@ TL = {**NARROW, "block_n": 32, "split_d": True, "per_sm": 2, "reload_v": True, "
       "hoist_pages": 64, "fp16_math": True, "warp_specialized": False}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    clear_cache()
+    yield
+    clear_cache()
+
+
+def test_answers_are_memoised_per_process(tmp_path):
+    url = f"sqlite:///{tmp_path / 'memo.db'}"
+    _tuned(url)
+    first = kernel_tile(16, "fp8", batch_size=96, kv_len=8192, device=H100_ARG, db=url)
+    (tmp_path / "memo.db").unlink()
+    assert kernel_tile(16, "fp8", batch_size=96, kv_len=8192, device=H100_ARG, db=url) is first
+
+
 def _tuned(url: str, *, fingerprint=None, shapes=((1, 4096, TL), (128, 16384, NARROW)), backend="TRITON_MLA",
            heads=16) -> None:
     fingerprint = fingerprint or current_fingerprint(driver_version=H100.driver_version)
@@ -35,8 +51,8 @@ def _tuned(url: str, *, fingerprint=None, shapes=((1, 4096, TL), (128, 16384, NA
                 key=key, backend=backend, batch_size=batch, kv_len=kv_len, status="ok", median_ms=0.4,
                 ci_low_ms=0.39, ci_high_ms=0.41, samples=20, rel_error=2e-3, gpu_uuid=H100.uuid,
                 measured_at="2026-11-25T05:00:00Z",
-                params={"tile": tile, "label": "x", "default_label": "d", "default_median_ms": 0.5,
-                        "candidates": 4, "rejected": {}}))
+                params=None if tile is None else {"tile": tile, "label": "x", "default_label": "d",
+                                                  "default_median_ms": 0.5, "candidates": 4, "rejected": {}}))
         store.finish_run(run)
 
 
@@ -101,3 +117,16 @@ def test_kernel_tile_imports_no_torch(tmp_path):
             "print(t.source, 'torch' in sys.modules, 'triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["default", "False", "False"]
+
+
+def test_a_stored_launch_without_a_tile_is_ignored_not_fatal(tmp_path):
+    url = f"sqlite:///{tmp_path / 'odd.db'}"
+    _tuned(url, shapes=((4, 4096, None),))
+    with Store.open(url) as store:  # a row written by hand: params without a tile
+        run = store.start_run(device=H100, fingerprint=current_fingerprint(driver_version=H100.driver_version),
+                              preset="test", node="n1")
+        key = DecisionKey.of(H100.sku, H100.compute_capability, Problem(num_heads=16, kv_cache_dtype="fp8"))
+        store.add_measurement(run, Measurement(key=key, backend="TRITON_MLA", batch_size=8, kv_len=4096,
+                                               status="ok", median_ms=0.4, params={"label": "x"}))
+    got = kernel_tile(16, "fp8", batch_size=4, kv_len=4096, device=H100_ARG, db=url)
+    assert (got.source, got.tile) == ("default", None) and "no tuned" in got.why

@@ -232,7 +232,7 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
         except Exception as exc:  # noqa: BLE001 - a failure is data
             failed[step.name] = Outcome("failed", reason=f"prepare or first run raised {describe_exception(exc)}")
             if on_cuda and _is_fatal(exc):
-                failed.report(prepared)
+                failed.report()
                 raise PoisonedContext(describe_exception(exc)) from exc
             continue
         if not verdict.ok:
@@ -240,7 +240,7 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
                                         prepare_s=prepare_s)
             continue
         prepared[step.name] = (runner, verdict.rel_error, prepare_s)
-    failed.report(prepared)
+    failed.report()
     if not prepared:
         emit(("shape_done", info))
         return
@@ -256,9 +256,8 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
             timed = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit,
                                backend_of=backend_of, on_failure=failed.__setitem__)
         finally:
-            prepared_now = {name: p for name, p in prepared.items() if name not in failed}
-            failed.report(prepared_now)
-        prepared = {name: p for name, p in prepared_now.items() if name in timed}
+            failed.report()
+        prepared = {name: p for name, p in prepared.items() if name in timed}
     else:
         timed = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
     if not timed:
@@ -289,7 +288,7 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
     for backend in dict.fromkeys(step.backend for step in steps):
         mine = [step for step in steps if step.backend == backend and step.name in prepared]
         if not mine:
-            continue  # reported by _report_failures
+            continue  # reported by failed.report()
         done = [(step, timings[step.name]) for step in mine if timings.get(step.name) is not None]
         if not done:
             _, rel, prepare_s = prepared[mine[0].name]
@@ -342,19 +341,18 @@ def _steps(task: ShapeTask, problem, inputs, overrides: dict, emit) -> list[_Ste
 
 
 class _Failures(dict):
-    """Step name -> Outcome of the steps that failed. `report` gives each backend none of whose steps is left
-    its first step's failure as its result, once; a refined backend's other failed candidates are listed with
-    its result instead (`_refined_params`)."""
+    """Step name -> Outcome of the steps that failed (at prepare, the gate or graph capture). `report` gives each
+    backend all of whose steps failed its first step's failure as its result, once; a refined backend's failed
+    candidates beside a working one are listed with its result instead (`_refined_params`)."""
 
     def __init__(self, steps: list[_Step], emit):
         super().__init__()
         self.steps, self.emit, self.reported = steps, emit, set()
 
-    def report(self, prepared: dict) -> None:
+    def report(self) -> None:
         for backend in dict.fromkeys(step.backend for step in self.steps):
             mine = [step for step in self.steps if step.backend == backend]
-            if backend not in self.reported and all(step.name in self and step.name not in prepared
-                                                    for step in mine):
+            if backend not in self.reported and all(step.name in self for step in mine):
                 self.emit(("result", backend, self[mine[0].name]))
                 self.reported.add(backend)
 

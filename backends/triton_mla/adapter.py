@@ -9,8 +9,7 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, PARAM_SPACE, LaunchParams, Tile, Workspace, candidate_tiles, cc_major, default_tile, launch,
-    packed_rows, params_from_tile, sm_count)
+    D_LATENT, PARAM_SPACE, LaunchParams, Tile, Workspace, candidate_tiles, cc_major, launch, params_for, sm_count)
 
 
 class PreparedTritonMLA:
@@ -49,36 +48,29 @@ class TritonMLA:
         self.params = params
         self.tile = tile
 
-    def _shape(self, problem: Problem, inputs: DecodeInputs) -> dict:
-        """The shape facts tiles and splits are chosen from (reads the lengths: a host sync, untimed)."""
-        batch = inputs.q.shape[0]
+    def _shape(self, problem: Problem, inputs: DecodeInputs) -> tuple[dict, dict]:
+        """(what a tile is chosen from, what its splits are chosen from), from the inputs' lengths (a host sync,
+        untimed) and the GPU."""
+        batch, device = inputs.q.shape[0], inputs.q.device
         lengths = [problem.topk] * batch if self.sparse else [int(n) for n in inputs.seq_lens.tolist()]
-        return dict(batch=batch, lengths=lengths, max_items=max(max(lengths), 1), device=inputs.q.device)
-
-    def _params_for(self, tile: Tile, problem: Problem, shape: dict) -> LaunchParams:
-        return params_from_tile(tile, rows=packed_rows(problem.num_heads, problem.q_len, sparse=self.sparse),
-                                q_len=problem.q_len, batch=shape["batch"], max_items=shape["max_items"],
-                                num_sms=sm_count(shape["device"]), sparse=self.sparse, lengths=shape["lengths"])
-
-    def _tile_facts(self, problem: Problem, shape: dict) -> dict:
-        return dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=shape["batch"],
-                    max_items=shape["max_items"], sparse=self.sparse,
-                    kv_fp8=problem.kv_cache_dtype == "fp8_e4m3", cc_major=cc_major(shape["device"]))
+        facts = dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch, max_items=max(max(lengths), 1),
+                     sparse=self.sparse, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3", cc_major=cc_major(device))
+        return facts, dict(num_sms=sm_count(device), lengths=lengths)
 
     def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
         """The launch parameters `prepare` will use."""
         if self.params is not None:
             return self.params
-        shape = self._shape(problem, inputs)
-        return self._params_for(self.tile or default_tile(**self._tile_facts(problem, shape)), problem, shape)
+        facts, splits = self._shape(problem, inputs)
+        return params_for(self.tile, **facts, **splits)
 
     def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
         """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with
         its parameters for these inputs, without tiles that come to the same parameters."""
-        shape = self._shape(problem, inputs)
+        facts, splits = self._shape(problem, inputs)
         seen, out = set(), []
-        for tile in candidate_tiles(**self._tile_facts(problem, shape)):
-            params = self._params_for(tile, problem, shape)
+        for tile in candidate_tiles(**facts):
+            params = params_for(tile, **facts, **splits)
             if params not in seen:
                 seen.add(params)
                 out.append((tile, params))

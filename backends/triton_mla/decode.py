@@ -7,8 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, D_ROPE, LaunchParams, Tile, Workspace, cc_major, default_tile, launch, packed_rows, params_from_tile,
-    sm_count, tile_from_dict)
+    D_LATENT, D_ROPE, LaunchParams, Tile, Workspace, cc_major, launch, params_for, sm_count, tile_from_dict)
 
 
 def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices) -> None:
@@ -87,11 +86,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         max_items = topk_indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
         if tile is not None and not isinstance(tile, Tile):
             tile = tile_from_dict(dict(tile))  # a dict or mapping, e.g. `mla_tune.kernel_tile(...).tile`
-        if tile is None:
-            tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                                kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, cc_major=cc_major(q.device))
-        params = params_from_tile(tile, rows=packed_rows(num_heads, q_len, sparse=sparse), q_len=q_len,
-                                  batch=batch, max_items=max_items, num_sms=sm_count(q.device), sparse=sparse)
+        params = params_for(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
+                            num_sms=sm_count(q.device), sparse=sparse, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn,
+                            cc_major=cc_major(q.device))
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
     workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,

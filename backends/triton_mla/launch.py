@@ -275,9 +275,9 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | Non
 # HOPPER_MIN_ITEMS tokens (or top-k slots) and that has fewer requests than HOPPER_SHORT_BATCH gives the
 # warp-specialised kernel too few tiles per program for its set-up (the query load, the first tile's wait).
 # Same-process A/Bs of the current kernels against the tl tiles at kv 1024 (batch 1-32) and 1536 (batch 16),
-# dense (bench/results/hopper_ab_short_{h100,h200}_call{89,90}.txt, H100 / H200 time ratios): batch 1-4 lose or
-# tie (up to 1.43x at bf16 64 heads batch 1) but for 128 heads at batch 4 (0.85-0.92, so from batch 4 there;
-# batch 1 1.04-1.06); from batch 16 the form the
+# dense (bench/results/hopper_ab_short_{h100,h200}_call{89,90}.txt, H100 / H200 time ratios): at batch 1-4 it
+# loses or ties (up to 1.43x at bf16 64 heads batch 1; at best 0.95 / 0.97, FP8 16 heads batch 1) but for 128 heads
+# at batch 4 (0.85-0.92, so from batch 4 there; batch 1 1.04-1.06); from batch 16 the form the
 # tables choose wins for FP8 16 heads (narrow, 0.79-0.88), FP8 32 heads (narrow, 0.66-0.73), FP8 64 heads and bf16
 # 64 heads (wide, 0.80-0.94) and 128 heads (wide, 0.71-0.83), not for bf16 32 heads (wide, 1.07 / 1.01 at batch 16,
 # 1.00 / 0.90 at 32); bf16 16 heads dense stays on the tl tile anyway. So dense short requests take it from batch
@@ -354,6 +354,11 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
     return triton.cdiv(max_len, best_s), best_s
 
 
+def _launch_fields(tile: Tile) -> dict:
+    """The fields a `Tile` shares with `LaunchParams` (all but the split model's per_sm and min_split_tokens)."""
+    return {name: getattr(tile, name) for name in LaunchParams.__dataclass_fields__ if name in Tile._fields}
+
+
 def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_items: int, num_sms: int,
                      sparse: bool = False, lengths: list[int] | None = None,
                      partial_row_tokens: float | None = None) -> LaunchParams:
@@ -366,10 +371,7 @@ def params_from_tile(tile: tuple, *, rows: int, q_len: int, batch: int, max_item
     """
     t = Tile(*tile)
     block_h, block_n, per_sm, min_split = t.block_h, t.block_n, t.per_sm, t.min_split_tokens
-    fixed = dict(block_h=block_h, block_n=block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-                 split_d=t.split_d, reload_v=t.reload_v, hoist_pages=t.hoist_pages,
-                 fp16_math=t.fp16_math, max_regs=t.max_regs, split_scores=t.split_scores,
-                 opaque_v_cast=t.opaque_v_cast, warp_specialized=t.warp_specialized)
+    fixed = _launch_fields(t)
     m_blocks = triton.cdiv(rows, block_h) * (q_len if sparse else 1)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
@@ -417,15 +419,24 @@ def _table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: i
     return Tile(*(small_tile if batch <= max_batch else tile))
 
 
-def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                   sparse: bool = False, kv_fp8: bool = False,
-                   lengths: list[int] | None = None, cc_major: int | None = None) -> LaunchParams:
-    """`default_tile` with its splits for this shape (from batch x length x SMs; `lengths`: the per-request
-    lengths (dense) or top-k per request (sparse), when known)."""
-    tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                        kv_fp8=kv_fp8, cc_major=cc_major)
+def params_for(tile: Tile | None, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+               sparse: bool = False, kv_fp8: bool = False, lengths: list[int] | None = None,
+               cc_major: int | None = None) -> LaunchParams:
+    """`tile` (None: `default_tile`) with its splits for this shape, from batch x length x SMs (`lengths`: the
+    per-request lengths (dense) or top-k per request (sparse), when known)."""
+    if tile is None:
+        tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                            kv_fp8=kv_fp8, cc_major=cc_major)
     return params_from_tile(tile, rows=packed_rows(num_heads, q_len, sparse=sparse), q_len=q_len, batch=batch,
                             max_items=max_items, num_sms=num_sms, sparse=sparse, lengths=lengths)
+
+
+def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+                   sparse: bool = False, kv_fp8: bool = False, lengths: list[int] | None = None,
+                   cc_major: int | None = None) -> LaunchParams:
+    """The heuristic's launch: `default_tile` with its splits (`params_for`)."""
+    return params_for(None, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, num_sms=num_sms,
+                      sparse=sparse, kv_fp8=kv_fp8, lengths=lengths, cc_major=cc_major)
 
 
 # The tuner's refinement per device (`candidate_tiles`): besides the default tile it times the other kernel
@@ -467,8 +478,7 @@ def tile_from_dict(values: dict) -> Tile:
         tile = Tile(**values)
     except TypeError as exc:
         raise ValueError(f"incomplete tile: {exc}") from None
-    LaunchParams(**{name: getattr(tile, name) for name in LaunchParams.__dataclass_fields__
-                    if name in Tile._fields})  # raises ValueError for an impossible combination
+    LaunchParams(**_launch_fields(tile))  # raises ValueError for an impossible combination
     return tile
 
 

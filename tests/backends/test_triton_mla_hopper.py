@@ -88,8 +88,7 @@ def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
 @pytest.mark.parametrize("sparse", [False, True])
 def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bucket, sparse):
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_MIN_BATCH, HOPPER_MIN_ITEMS, HOPPER_NARROW_MIN_BATCH, HOPPER_SHORT_BATCH, HOPPER_SHORT_BATCH_DEFAULT,
-        default_params)
+        HOPPER_MIN_BATCH, HOPPER_NARROW_MIN_BATCH, default_params, short_requests)
 
     min_batch = HOPPER_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
     narrow_min = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
@@ -97,9 +96,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
         for items in (1024, 2048, 4096):
             kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                           kv_fp8=kind == "fp8", lengths=[items] * batch)
-            short_batch = HOPPER_SHORT_BATCH_DEFAULT if sparse else HOPPER_SHORT_BATCH.get((kind, bucket),
-                                                                                           HOPPER_SHORT_BATCH_DEFAULT)
-            short = items < HOPPER_MIN_ITEMS and batch < short_batch
+            short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=items, sparse=sparse)
             narrow = narrow_min is not None and batch >= narrow_min and not short
             wide = min_batch is not None and batch >= min_batch and not short and not narrow
             hopper = default_params(**kwargs, cc_major=9)

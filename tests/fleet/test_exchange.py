@@ -204,7 +204,7 @@ HOSTILE = {
     "duplicate field": (lambda raw, doc: raw.replace(b'"format":', b'"format": "x", "format":', 1),
                         "duplicate field 'format'"),
     "bad tile value": (lambda raw, doc: _edit(doc, lambda d: _triton(d)["params"]["tile"].update(block_h="64; rm")),
-                       "params: tile['block_h']: '64; rm' is not a tile value"),
+                       "params.tile['block_h']: '64; rm' is not a tile value"),
     "dangling run": (lambda raw, doc: _edit(doc, lambda d: _measurement(d, run=99)), "is not a run index"),
     "forged digest": (lambda raw, doc: _edit(doc, lambda d: d["content"]["fingerprints"][0].update(torch="9.9")),
                       "is not the digest of its fields"),

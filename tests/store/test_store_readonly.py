@@ -102,12 +102,13 @@ def test_lookup_query_searches_an_index(tmp_path, by):
     """Lookups stay fast on a fleet-sized table: SQLite searches an index, never scans decisions."""
     import sqlite3
 
-    from mla_tune.store.readonly import _query
+    from mla_tune.store.readonly import _ORDER, _SELECT, _query
 
     path = tmp_path / "mla.db"
     Store.open(f"sqlite:///{path}").close()
     fields = {"num_heads": 16, "kv_cache_dtype": "bf16", "query_dtype": "bf16", "page_size": 64}
-    sql, params = _query(sku=H100.sku if by == "sku" else None, device_name=H100.name, key_fields=fields)
+    sql, params = _query(_SELECT, _ORDER, "d", sku=H100.sku if by == "sku" else None, device_name=H100.name,
+                         key_fields=fields)
     plan = " ".join(row[3] for row in sqlite3.connect(path).execute("EXPLAIN QUERY PLAN " + sql, params))
     assert "SEARCH d USING INDEX" in plan, plan
 
