@@ -57,6 +57,9 @@ DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
+# Measurement only (bench/hopper_dev.py): the wide form as two MMA partitions that split the scores' k
+# (`_mma_partition_ks`), instead of one 8-warp partition that splits the tokens. False in production.
+KSPLIT = False
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
@@ -418,6 +421,98 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
 
 
 @gluon.jit
+def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
+                      o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                      qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                      stride_lt, stride_lh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
+                      SPARSE: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
+    """One of the wide form's two MMA warpgroups when they split the scores' k instead of the tokens (`KSPLIT`).
+
+    Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
+    latent 0-255, 20 k-steps; 1: latent 256-511, 16 k-steps) as one m64n64 wgmma chain: per k-step it reads
+    2 KiB of the query and 2 KiB of keys for 64 x 64 products, where the token-split form reads 2 KiB of
+    query for 64 x 32 (the query's shared-memory traffic halves). The two partial scores, scaled to base-2
+    logits and rounded to fp16, are exchanged through shared memory: warpgroup 0 writes its partial over the
+    slot's rope columns (which only its own, finished, MMAs read), warpgroup 1 into `x1`. Each warpgroup
+    then holds the same full scores (the same two fp16 values added in fp32), runs the same online softmax
+    on them, and multiplies its p, kept in registers, by its 256 of the 512 value columns. One exchange a
+    tile; no row max or p crosses between the warpgroups.
+    """
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+    visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
+    acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if DEBUG == 1:
+        _hand_back(full_bars, empty_bars, n_tiles, STAGES)
+    for t in range(n_tiles if DEBUG != 1 else 0):
+        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        mbarrier.wait(full_bars.index(slot), phase)
+        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        kl = k_lat.index(slot)
+        if WG == 0:
+            s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_lat.slice(0, 256, dim=1), kl.slice(0, 256, dim=1).permute((1, 0)), s,
+                              is_async=True)
+        else:
+            s = warpgroup_mma(q_lat.slice(256, 256, dim=1), kl.slice(256, 256, dim=1).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mine = (s * qk_scale).to(gl.float16)
+        x0 = k_rope.index(slot)._reinterpret(gl.float16, [ROWS, BLOCK_N], x1.layout)  # (a BF16 slot's rope too)
+        if WG == 0:
+            x0.store(mine)  # the rope columns' last reader was this warpgroup's score MMA, finished above
+            mbarrier.arrive(x0_bars.index(slot))
+            mbarrier.wait(x1_bars.index(slot), phase)
+            other = x1.load(s_layout)
+            mbarrier.arrive(x1_free)  # warpgroup 1 may write its next partial
+        else:
+            mbarrier.wait(x1_free, (t & 1) ^ 1)  # warpgroup 0 has read the previous partial (passes at t = 0)
+            x1.store(mine)
+            mbarrier.arrive(x1_bars.index(slot))
+            mbarrier.wait(x0_bars.index(slot), phase)
+            other = x0.load(s_layout)
+        s = mine.to(gl.float32) + other.to(gl.float32)  # the same sum in both warpgroups
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None]).to(kl.dtype)
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(WG * 256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(slot))
+
+    # Epilogue: this warpgroup's 256 output columns; warpgroup 0 writes the LSE (both hold the same m, l).
+    qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
+    cols_o = WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
+    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
+    inv_l = _inv_sums(gl.convert_layout(l_i, rows_o), out_scale)
+    gl.store(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+             mask=(ok_o & store_o)[:, None] & (cols_o[None, :] < 512))
+    if WG == 0:
+        qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+        lse = _lse(m_i, l_i)
+        gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
+                 lse, mask=ok_l)
+
+
+@gluon.jit
 def _mla_hopper_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
@@ -432,6 +527,7 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
+    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -482,7 +578,7 @@ def _mla_hopper_kernel(
         # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
         mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
                       else LOAD_WARPS * 32)
-        mbarrier.init(empty_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2 if KSPLIT else 1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
@@ -530,6 +626,29 @@ def _mla_hopper_kernel(
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    elif KSPLIT:
+        # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
+        x1 = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK_N], smem_layout)
+        x0_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        x1_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        x1_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(x0_bars.index(i), count=1)
+            mbarrier.init(x1_bars.index(i), count=1)
+        mbarrier.init(x1_free, count=1)
+        gl.warp_specialize([
+            (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
+                                 o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
+                                 store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                 stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0)),
+            (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
+                                 o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
+                                 store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                 stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG))],
+            [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,

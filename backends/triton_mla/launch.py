@@ -600,8 +600,16 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     loaders = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=common["SPARSE"],
                              override=hopper.STAGED_LOADERS)
+    load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
+    ksplit = bool(hopper.KSPLIT) and params.block_h >= HOPPER_SHAPE[0]
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
-        LOAD_REGS=HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"], DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=loaders,
-        num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
+        LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders,
+        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
+        num_warps=4 if ksplit else params.num_warps, maxnreg=HOPPER_MAXNREG)
+
+
+def ksplit_mma_regs(load_regs: int) -> int:
+    """Registers of the k-split form's second MMA warpgroup (`hopper.KSPLIT`): about half of what the three
+    warpgroups' `HOPPER_MAXNREG` leaves beside the loader, in steps of 8 (the first gets the rest)."""
+    return (3 * HOPPER_MAXNREG - load_regs) // 2 // 8 * 8

@@ -58,8 +58,9 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 
 
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
-                   **overrides) -> tuple[str, int, str]:
-    """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program."""
+                   num_warps: int | None = None, **overrides) -> tuple[str, int, str]:
+    """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
+    (`num_warps`: the launch's, if not its shape's)."""
     import subprocess
     import tempfile
 
@@ -71,7 +72,8 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
         HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES, staged_loaders)
 
     fp8 = kv == "fp8"
-    _, block_n, num_warps, stages = HOPPER_SHAPES[rows]
+    _, block_n, shape_warps, stages = HOPPER_SHAPES[rows]
+    num_warps = num_warps or shape_warps
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
                  SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,

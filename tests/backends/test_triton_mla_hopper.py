@@ -168,7 +168,19 @@ def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, 
 
 
 GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
-FORMS = ("wide", "narrow")  # 64 rows, two MMA warpgroups; up to 32 rows, one MMA warpgroup on transposed products
+# 64 rows, two MMA warpgroups; the same with the scores split over k (`hopper.KSPLIT`); up to 32 rows, one MMA
+# warpgroup on transposed products
+FORMS = ("wide", "wide_ks", "narrow")
+
+
+@pytest.fixture(autouse=True)
+def _ksplit_form(request, monkeypatch):
+    """Tests parametrised with form "wide_ks" run with the measurement switch `hopper.KSPLIT` on."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("form") == "wide_ks":
+        from mla_tune.backends.triton_mla import hopper
+
+        monkeypatch.setattr(hopper, "KSPLIT", True)
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised kernel needs an SM90 GPU")
 
 
