@@ -45,7 +45,8 @@ NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LO
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (`hopper.KSPLIT`) or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (`hopper.KSPLIT`), 'fp8:pf2' (`hopper.PREFETCH` 2),
+    'fp8:ks+pf1' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
     (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs): `HOPPER_TILE` [with
     min_split_tokens 256], or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it
     ('narrow'), with one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
@@ -53,8 +54,14 @@ def candidate(spec: str):
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
-    if rest == "ks":  # the wide form with its scores split over k between two MMA partitions (hopper.KSPLIT)
-        return kind, lambda bucket: tile if bucket >= 64 else None, {"KSPLIT": True}
+    switches = {}
+    for flag in rest.split("+") if rest else []:
+        if flag == "ks":  # the wide form with its scores split over k between two MMA partitions (hopper.KSPLIT)
+            switches["KSPLIT"] = True
+        elif flag.startswith("pf"):  # the FP8 register loader's L2 prefetch, this many tiles ahead (hopper.PREFETCH)
+            switches["PREFETCH"] = int(flag[2:])
+    if switches:
+        return kind, lambda bucket: tile if bucket >= 64 else None, switches
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, lambda bucket: tile, {}

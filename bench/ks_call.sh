@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for round 26 (the wide form's k-split, `hopper.KSPLIT`): install, a smoke test of the switch under
+# One device call for rounds 26-27 (the wide form's k-split, `hopper.KSPLIT`; the FP8 loader's L2 prefetch, `hopper.PREFETCH`): install, a smoke test of the switch under
 # a timeout (a deadlocked exchange must not eat the call), the same-process A/B against the token-split wide form
-# and the tl tiles, the MMA warps alone, then the k-split GPU tests.
+# and the tl tiles, measurement modes (DEBUG_MODES), then the k-split GPU tests.
 # Usage (device root): OUT=dir NAME=h100-call98 AB_ARGS="..." TEST_K="..." bash bench/ks_call.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
@@ -22,6 +22,7 @@ from test_triton_mla_hopper import _params
 from mla_tune.backends.problem import Problem, Shape
 from mla_tune.backends.triton_mla import hopper
 hopper.KSPLIT = True
+hopper.PREFETCH = 2
 cases = [("bf16", 64, 1, 64, None), ("fp8_e4m3", 64, 1, 64, None), ("bf16", 20, 2, 16, None),
          ("fp8_e4m3", 3, 2, 128, None), ("bf16", 128, 1, 1, 2048), ("fp8_e4m3", 128, 2, 64, 2048)]
 for kv, heads, q_len, page, topk in cases:
@@ -36,10 +37,10 @@ for kv, heads, q_len, page, topk in cases:
     print(kv, heads, q_len, page, topk, params.label(), r, f"{time.time() - t:.1f}s", flush=True)
 PY
 timeout ${AB_S:-260} python3 bench/hopper_dev.py --out "$OUT/ab-$NAME.txt" ${AB_ARGS:-} 2>&1 | tail -3
-if [ -n "${DEBUG_ARGS:-}" ]; then
-  timeout ${DEBUG_S:-90} python3 bench/hopper_dev.py --debug mma_only --shapes big ${DEBUG_ARGS} \
+for mode in ${DEBUG_MODES:-}; do
+  timeout ${DEBUG_S:-90} python3 bench/hopper_dev.py --debug $mode --shapes big ${DEBUG_ARGS} \
     --out "$OUT/debug-$NAME.txt" 2>&1 | tail -1
-fi
+done
 if [ -n "${TEST_K:-}" ]; then
   timeout ${TEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_triton_mla_hopper.py \
     -k "$TEST_K" 2>&1 | tail -25 > "$OUT/tests-$NAME.txt"

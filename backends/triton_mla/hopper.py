@@ -60,6 +60,9 @@ STAGED_LOADERS = None
 # Measurement only (bench/hopper_dev.py): the wide form as two MMA partitions that split the scores' k
 # (`_mma_partition_ks`), instead of one 8-warp partition that splits the tokens. False in production.
 KSPLIT = False
+# Measurement only (bench/hopper_dev.py): the register-staged FP8 loader asks the L2 for the tile this many tiles
+# ahead of the one it loads (`_prefetch_tile`; 0: no prefetch). 0 in production.
+PREFETCH = 0
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
@@ -164,10 +167,25 @@ def _store_chunks(dst_lat, dst_rope, xs):
 
 
 @gluon.jit
+def _prefetch_tile(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
+                   BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr):
+    """Ask the L2 for one FP8 tile's rows (`cp.async.bulk.prefetch.L2`, no registers, no completion to wait for):
+    one loader thread per half row of 288 bytes; invalid rows ask for the cache's first bytes instead."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [LOAD_WARPS, 1], [1, 0])
+    row, ok = _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, layout, BLOCK_N,
+                         PAGE_SIZE, SPARSE)
+    half = gl.arange(0, 2, layout=gl.SliceLayout(0, layout))
+    addr = gl.where(ok[:, None], row[:, None] + half[None, :] * 288, kv_ptr)
+    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 288;\n\tmov.u32 $0, 0;", "=r,l", [addr],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
+                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
+                    PREFETCH: gl.constexpr = 0):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -190,6 +208,9 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
     for t in range(FIRST, n_tiles, STRIDE):
         slot = t % STAGES
+        if KV_FP8 and PREFETCH > 0 and DEBUG != 2:
+            _prefetch_tile(start + (t + PREFETCH * STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                           stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE, SPARSE)
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
             if DEBUG != 2:
@@ -527,7 +548,7 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
-    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0,
+    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PREFETCH: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -647,7 +668,7 @@ def _mla_hopper_kernel(
                                  stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG))],
+                               DEBUG, 0, 1, PREFETCH))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -657,5 +678,5 @@ def _mla_hopper_kernel(
                               stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG))],
+                               DEBUG, 0, 1, PREFETCH))],
             [LOAD_WARPS], [LOAD_REGS])
