@@ -30,7 +30,7 @@ from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # n
 from mla_tune.backends.triton_mla import hopper  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
 from mla_tune.backends.triton_mla.launch import (  # noqa: E402
-    HOPPER_TILE, HOPPER_TILES, default_params, params_from_tile, rows_bucket)
+    HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_params, params_from_tile, rows_bucket)
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -45,8 +45,7 @@ NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LO
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (`hopper.KSPLIT`), 'fp8:pf2' (`hopper.PREFETCH` 2),
-    'fp8:ks+pf1' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (the k-split wide form) or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
     (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs): `HOPPER_TILE` [with
     min_split_tokens 256], or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it
     ('narrow'), with one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
@@ -54,14 +53,8 @@ def candidate(spec: str):
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
-    switches = {}
-    for flag in rest.split("+") if rest else []:
-        if flag == "ks":  # the wide form with its scores split over k between two MMA partitions (hopper.KSPLIT)
-            switches["KSPLIT"] = True
-        elif flag.startswith("pf"):  # the FP8 register loader's L2 prefetch, this many tiles ahead (hopper.PREFETCH)
-            switches["PREFETCH"] = int(flag[2:])
-    if switches:
-        return kind, lambda bucket: tile if bucket >= 64 else None, switches
+    if rest == "ks":  # the k-split wide form (HOPPER_KSPLIT_TILE)
+        return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, {}
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, lambda bucket: tile, {}

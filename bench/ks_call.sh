@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call for rounds 26-27 (the wide form's k-split, `hopper.KSPLIT`; the FP8 loader's L2 prefetch, `hopper.PREFETCH`): install, a smoke test of the switch under
+# One device call for rounds 26-27 (the k-split wide form; in calls 98-99 also the FP8 loader's L2 prefetch): install,
+# a smoke test of the k-split form under
 # a timeout (a deadlocked exchange must not eat the call), the same-process A/B against the token-split wide form
 # and the tl tiles, measurement modes (DEBUG_MODES), then the k-split GPU tests.
 # Usage (device root): OUT=dir NAME=h100-call98 AB_ARGS="..." TEST_K="..." bash bench/ks_call.sh
@@ -20,9 +21,6 @@ import torch
 from test_triton_mla import _run_case
 from test_triton_mla_hopper import _params
 from mla_tune.backends.problem import Problem, Shape
-from mla_tune.backends.triton_mla import hopper
-hopper.KSPLIT = True
-hopper.PREFETCH = 2
 cases = [("bf16", 64, 1, 64, None), ("fp8_e4m3", 64, 1, 64, None), ("bf16", 20, 2, 16, None),
          ("fp8_e4m3", 3, 2, 128, None), ("bf16", 128, 1, 1, 2048), ("fp8_e4m3", 128, 2, 64, 2048)]
 for kv, heads, q_len, page, topk in cases:
@@ -30,7 +28,8 @@ for kv, heads, q_len, page, topk in cases:
     lens = [1, 15, 16, 17, 1000, 0, 5000, 777]
     batch = len(lens)
     params = _params(kv, heads=heads, q_len=q_len, batch=batch, max_items=topk or 5000,
-                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk))
+                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk),
+                     form="wide_ks")
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=page, q_len=q_len, topk=topk)
     r = _run_case(problem, Shape(batch, 5000), device="cuda", params=params,
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])

@@ -26,6 +26,12 @@ one loader warpgroup for a dense cache, two for a sparse one, each one half of e
 16-bit caches use two plain loaders, one per slot. Device calls 58-59 and 66-69, bench/TRITON_NOTES.md rounds 18
 and 20.
 
+The k-split wide form (a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`; `_mma_partition_ks`): the two MMA
+warpgroups are two partitions, each scoring all 64 tokens of a tile over its part of the 576 query columns
+(m64n64 instead of m64n32), with one exchange of fp16 partial scores a tile; each then runs the same softmax
+and keeps p in registers. It runs dense 128-head (two row blocks) batches from `launch.HOPPER_KSPLIT_MIN_BATCH`,
+where it took 0.85-0.95 of the wide form's time (device calls 98-99, bench/TRITON_NOTES.md round 26).
+
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
 it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`.
@@ -50,26 +56,21 @@ ROWS = gl.constexpr(64)        # query rows per program: one wgmma M block, shar
 LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 
 # Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
-# back), 2 = the MMA warps alone (the loader copies nothing), 3 = (wide form only) no row max across the
-# warpgroups and no row sums (wrong results). 0 in production.
+# back), 2 = the MMA warps alone (the loader copies nothing), 3 = (token-split wide form only) no row max across
+# the warpgroups and no row sums (wrong results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
-# Measurement only (bench/hopper_dev.py): the wide form as two MMA partitions that split the scores' k
-# (`_mma_partition_ks`), instead of one 8-warp partition that splits the tokens. False in production.
-KSPLIT = False
-# Measurement only (bench/hopper_dev.py): the register-staged FP8 loader asks the L2 for the tile this many tiles
-# ahead of the one it loads (`_prefetch_tile`; 0: no prefetch). 0 in production.
-PREFETCH = 0
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False) -> int:
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and,
-    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes."""
+    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; in the k-split form the
+    second warpgroup's fp16 partial scores."""
     narrow = rows < ROWS.value
-    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
+    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow or ksplit else 0)
             + (block_n * 576 if narrow and kv_fp8 else 0))
 
 
@@ -167,25 +168,10 @@ def _store_chunks(dst_lat, dst_rope, xs):
 
 
 @gluon.jit
-def _prefetch_tile(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
-                   BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr):
-    """Ask the L2 for one FP8 tile's rows (`cp.async.bulk.prefetch.L2`, no registers, no completion to wait for):
-    one loader thread per half row of 288 bytes; invalid rows ask for the cache's first bytes instead."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [LOAD_WARPS, 1], [1, 0])
-    row, ok = _tile_rows(n0, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, layout, BLOCK_N,
-                         PAGE_SIZE, SPARSE)
-    half = gl.arange(0, 2, layout=gl.SliceLayout(0, layout))
-    addr = gl.where(ok[:, None], row[:, None] + half[None, :] * 288, kv_ptr)
-    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 288;\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = 0):
+                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -208,9 +194,6 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
     for t in range(FIRST, n_tiles, STRIDE):
         slot = t % STAGES
-        if KV_FP8 and PREFETCH > 0 and DEBUG != 2:
-            _prefetch_tile(start + (t + PREFETCH * STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                           stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE, SPARSE)
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
             if DEBUG != 2:
@@ -447,7 +430,7 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
                       qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
                       stride_lt, stride_lh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                       SPARSE: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
-    """One of the wide form's two MMA warpgroups when they split the scores' k instead of the tokens (`KSPLIT`).
+    """One of the k-split wide form's two MMA warpgroups (`KSPLIT`; a launch with 4 warps, `launch.HOPPER_KSPLIT_SHAPE`).
 
     Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
     latent 0-255, 20 k-steps; 1: latent 256-511, 16 k-steps) as one m64n64 wgmma chain: per k-step it reads
@@ -548,7 +531,7 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
-    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PREFETCH: gl.constexpr = 0,
+    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -668,7 +651,7 @@ def _mla_hopper_kernel(
                                  stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, PREFETCH))],
+                               DEBUG))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -678,5 +661,5 @@ def _mla_hopper_kernel(
                               stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, PREFETCH))],
+                               DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])

@@ -38,6 +38,10 @@ HOPPER_SHAPE = (64, 64, 8, 2)
 # FP8: one or two loader warpgroups with a cp.async staging ring (8 or 12 warps, `staged_loaders`), 16-bit: two
 # loader warpgroups, one per slot (12 warps).
 HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
+# Its k-split wide form: 64 rows as two 4-warp MMA partitions that split the scores over the 576 query columns
+# (`hopper._mma_partition_ks`), told apart from the wide form by its 4 launch warps (the first MMA warpgroup; the
+# second and the loader are workers).
+HOPPER_KSPLIT_SHAPE = (64, 64, 4, 2)
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
 
@@ -95,7 +99,8 @@ class LaunchParams:
         warp_specialized: run the Hopper kernel of `hopper.py` (SM90 only): 64 rows, 8 MMA warps
             plus a loader warpgroup, a ring of two 64-token slots (`HOPPER_SHAPE`, all that fits
             beside the query in shared memory); an FP8 cache is cast by the loader. With block_h 16
-            or 32 its narrow form (`HOPPER_SHAPES`): 4 MMA warps on transposed products. The `tl`-only
+            or 32 its narrow form (`HOPPER_SHAPES`): 4 MMA warps on transposed products; with block_h 64
+            and 4 warps its k-split form (`HOPPER_KSPLIT_SHAPE`). The `tl`-only
             fields (split_d, reload_v, hoist_pages, fp16_math, max_regs, split_scores,
             opaque_v_cast) must stay at their defaults.
     """
@@ -126,10 +131,10 @@ class LaunchParams:
             if tl_only:
                 raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
             shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
-            if shape not in HOPPER_SHAPES.values():
+            shapes = [*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE]
+            if shape not in shapes:
                 raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
-                                 f"{' or '.join(map(str, HOPPER_SHAPES.values()))} only (227 KiB of shared memory), "
-                                 f"got {shape}")
+                                 f"{' or '.join(map(str, shapes))} only (227 KiB of shared memory), got {shape}")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -231,6 +236,15 @@ HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 # The same for each rows bucket the kernel has a form for (16 and 32: the narrow one).
 HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
                 for rows, shape in HOPPER_SHAPES.items()}
+# The k-split wide form (`HOPPER_KSPLIT_SHAPE`) and the smallest dense batch from which it replaces the wide form,
+# by (KV kind, rows bucket). Same-process A/Bs on an H100 and an H200 (bench/results/ks_ab-h100-call99.txt,
+# ks_ab-h200-call98.txt; time over the wide form's, H100 / H200): dense 128 heads BF16 0.95 / 0.93 at batch 4 kv
+# 16k and batch 16 kv 4k, 0.91 / 0.91-0.93 at batch 64-128; FP8 0.90 / 0.88 at batch 64 kv 4k, 0.85 / 0.85 at batch
+# 128 kv 16k, but 1.02 / 1.01-1.02 at batch 4-16 (16 tiles a program: its 4-warp query load shows) and 1.03-1.04 at
+# batch 1. Not at 64 heads (BF16 0.99-1.00 on the H100; FP8 1.02-1.03) nor sparse (1.01-1.12 slower: it spills
+# there and loads the top-k positions in both warpgroups).
+HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): 4, ("fp8", 128): 64}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
@@ -392,8 +406,9 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                  kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
     """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form)
-    or `HOPPER_MIN_BATCH` says it wins (and the requests are not short, `short_requests`), otherwise the tile
-    of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES` for few requests).
+    or `HOPPER_MIN_BATCH` says it wins (and the requests are not short, `short_requests`; the k-split wide form
+    from `HOPPER_KSPLIT_MIN_BATCH`), otherwise the tile of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES`
+    for few requests).
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
@@ -406,7 +421,9 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
         for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
             if min_batch is not None and batch >= min_batch:
-                return tile
+                ksplit = not sparse and tile is HOPPER_TILE and batch >= HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket),
+                                                                                                    batch + 1)
+                return HOPPER_KSPLIT_TILE if ksplit else tile
     return _table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
 
 
@@ -441,7 +458,7 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
 
 # The tuner's refinement per device (`candidate_tiles`): besides the default tile it times the other kernel
 # family at the same rows (on SM90: the tl tile where the default is the warp-specialised kernel, and the other
-# way round, both forms of it for 16-32 rows) and the default with its minimum split scaled by these factors
+# way round, both forms of it for 16-32 rows, both wide forms for dense 128 rows) and the default with its minimum split scaled by these factors
 # (clamped to `PARAM_SPACE`), then keeps the fastest correct one per shape. At most REFINE_MAX_TILES in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)
 REFINE_MAX_TILES = 4
@@ -459,6 +476,8 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
             family.append(_table_tile("fp8" if kv_fp8 else "16bit", bucket, batch=batch, sparse=sparse,
                                       cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, HOPPER_SHAPE[0]), HOPPER_SHAPE[0]})]
+        if not sparse and bucket > HOPPER_SHAPE[0]:
+            family.append(HOPPER_KSPLIT_TILE)
     splits = PARAM_SPACE["min_split_tokens"]
     scaled = [default._replace(min_split_tokens=min(max(int(default.min_split_tokens * f), splits[0]), splits[-1]))
               for f in REFINE_SPLIT_FACTORS]
@@ -601,15 +620,15 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     loaders = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=common["SPARSE"],
                              override=hopper.STAGED_LOADERS)
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
-    ksplit = bool(hopper.KSPLIT) and params.block_h >= HOPPER_SHAPE[0]
+    ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders,
-        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0, PREFETCH=hopper.PREFETCH,
-        num_warps=4 if ksplit else params.num_warps, maxnreg=HOPPER_MAXNREG)
+        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
+        num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
-    """Registers of the k-split form's second MMA warpgroup (`hopper.KSPLIT`): about half of what the three
-    warpgroups' `HOPPER_MAXNREG` leaves beside the loader, in steps of 8 (the first gets the rest)."""
+    """Registers of the k-split form's second MMA warpgroup: about half of what the three warpgroups'
+    `HOPPER_MAXNREG` leaves beside the loader, in steps of 8 (Triton gives the first the rest)."""
     return (3 * HOPPER_MAXNREG - load_regs) // 2 // 8 * 8

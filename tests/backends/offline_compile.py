@@ -58,9 +58,9 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 
 
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
-                   num_warps: int | None = None, **overrides) -> tuple[str, int, str]:
+                   ksplit: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`num_warps`: the launch's, if not its shape's)."""
+    (`ksplit`: the k-split wide form, as `launch._launch_hopper` runs it)."""
     import subprocess
     import tempfile
 
@@ -69,16 +69,16 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES, staged_loaders)
+        HOPPER_KSPLIT_SHAPE, HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES, ksplit_mma_regs, staged_loaders)
 
     fp8 = kv == "fp8"
-    _, block_n, shape_warps, stages = HOPPER_SHAPES[rows]
-    num_warps = num_warps or shape_warps
+    _, block_n, num_warps, stages = HOPPER_KSPLIT_SHAPE if ksplit else HOPPER_SHAPES[rows]
     const = _constexpr_defaults(_mla_hopper_kernel)
+    load_regs = HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"]
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
-                 SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False,
-                 LOAD_REGS=HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"], N_ROWS=rows,
-                 STAGED_LOADERS=staged_loaders(kv_fp8=fp8, rows=rows, sparse=sparse))
+                 SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False, LOAD_REGS=load_regs, N_ROWS=rows,
+                 STAGED_LOADERS=staged_loaders(kv_fp8=fp8, rows=rows, sparse=sparse), KSPLIT=ksplit,
+                 MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0)
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}

@@ -73,6 +73,31 @@ def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
     assert _spill_bytes(report) <= 64, report
 
 
+@pytest.mark.parametrize("kv,sparse,q_len,page_size", [
+    ("bf16", False, 1, 64), ("fp16", False, 2, 16), ("fp8", False, 1, 64), ("fp8", False, 2, 128), ("bf16", True, 1, 1),
+    ("fp8", True, 2, 1)])
+def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size):
+    from collections import Counter
+
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_SHAPE
+
+    ptx, smem, report = hopper_compile(kv=kv, sparse=sparse, q_len=q_len, page_size=page_size, ksplit=True)
+    block_n, stages = HOPPER_KSPLIT_SHAPE[1], HOPPER_KSPLIT_SHAPE[3]
+    assert hopper_smem_bytes(block_n=block_n, stages=stages, ksplit=True) <= smem <= SMEM_LIMIT, smem
+    # per tile: the scores as m64n64 in both warpgroups (20 k-steps over the rope and latent 0-255, 16 over latent
+    # 256-511), `p @ v` as m64n256 (4 k-steps each); no m64n32 of the token split
+    mmas = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))
+    assert mmas == {"m64n64k16": 36, "m64n256k16": 8}, mmas
+    assert "stmatrix" in ptx and "ldmatrix" in ptx, "the partial scores cross through shared memory"
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == "384"  # two MMA warpgroups and the loader
+    assert "setmaxnreg.dec.sync.aligned.u32" in ptx
+    # spill stores with Triton 3.7.1: dense (where the dispatch runs it) 0 B (BF16), 12-16 B (FP8); sparse 176-260 B
+    assert _spill_bytes(report) <= (384 if sparse else 64), report
+
+
 def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
     from mla_tune.backends.triton_mla import LaunchParams
 
@@ -88,7 +113,7 @@ def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
 @pytest.mark.parametrize("sparse", [False, True])
 def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bucket, sparse):
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_MIN_BATCH, HOPPER_NARROW_MIN_BATCH, default_params, short_requests)
+        HOPPER_KSPLIT_MIN_BATCH, HOPPER_MIN_BATCH, HOPPER_NARROW_MIN_BATCH, default_params, short_requests)
 
     min_batch = HOPPER_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
     narrow_min = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), (None, None))[sparse]
@@ -101,8 +126,10 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
             wide = min_batch is not None and batch >= min_batch and not short and not narrow
             hopper = default_params(**kwargs, cc_major=9)
             assert hopper.warp_specialized == (narrow or wide), (batch, items, hopper)
-            if narrow or wide:  # the form: narrow (16/32 rows) or wide (64)
+            if narrow or wide:  # the form: narrow (16/32 rows) or wide (64; dense 128 rows: k-split from a batch)
                 assert hopper.block_h == (bucket if narrow else 64), (batch, items, hopper)
+                ksplit = wide and not sparse and batch >= HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket), batch + 1)
+                assert hopper.num_warps == (4 if ksplit or narrow else 8), (batch, items, hopper)
             for other in (8, 10, 12, None):  # no wgmma / setmaxnreg there (None: the CPU interpreter)
                 assert not default_params(**kwargs, cc_major=other).warp_specialized
 
@@ -137,6 +164,27 @@ def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, ho
         assert params.block_h == hopper, params
 
 
+@pytest.mark.parametrize("heads,q_len,batch,kv_fp8,sparse,ksplit", [
+    (128, 1, 4, False, False, True),    # BF16 128 heads from batch 4: 0.95 / 0.93 of the wide time (H100 / H200)
+    (128, 1, 1, False, False, False),   # ... not at batch 1 (1.005 / 1.015)
+    (128, 1, 64, True, False, True),    # FP8 128 heads at batch 64-128: 0.85-0.90
+    (128, 1, 16, True, False, False),   # ... not at batch 4-16 (1.01-1.02)
+    (64, 2, 64, True, False, True),     # 128 packed rows (two query tokens of 64 heads): two row blocks too
+    (64, 1, 128, False, False, False),  # 64 heads: no gain (BF16 0.99-1.00 on the H100, FP8 1.02-1.03)
+    (128, 1, 128, False, True, False),  # sparse: 1.03-1.04 slower
+])
+def test_sm90_dispatch_of_the_ksplit_form(heads, q_len, batch, kv_fp8, sparse, ksplit):
+    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_TILE, candidate_tiles, default_params
+
+    kwargs = dict(num_heads=heads, q_len=q_len, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8, cc_major=9)
+    params = default_params(**kwargs, num_sms=132, lengths=[4096] * batch)
+    assert params.warp_specialized and params.block_h == 64, params
+    assert (params.num_warps == 4) == ksplit and params.label().startswith("h64n64w4" if ksplit else "h64n64w8")
+    # the tuner times both wide forms at dense 128 rows, whichever the default is
+    tiles = candidate_tiles(**kwargs)
+    assert (HOPPER_KSPLIT_TILE in tiles) == (not sparse and heads * q_len > 64), tiles
+
+
 def test_warp_specialized_launch_needs_a_gpu():
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
@@ -154,11 +202,13 @@ def _hopper() -> bool:
 
 
 def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, form="wide"):
-    """The wide kernel's parameters (64 rows), or the narrow form's for the rows bucket (skips above 32 rows)."""
-    from mla_tune.backends.triton_mla.launch import HOPPER_TILE, HOPPER_TILES, params_from_tile, rows_bucket
+    """The wide kernel's parameters (64 rows; "wide_ks": its k-split form), or the narrow form's for the rows
+    bucket (skips above 32 rows)."""
+    from mla_tune.backends.triton_mla.launch import (
+        HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, params_from_tile, rows_bucket)
 
     rows = heads if sparse else heads * q_len
-    tile = HOPPER_TILE
+    tile = HOPPER_KSPLIT_TILE if form == "wide_ks" else HOPPER_TILE
     if form == "narrow":
         if rows > 32:
             pytest.skip("the narrow form takes up to 32 rows")
@@ -168,19 +218,10 @@ def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, 
 
 
 GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
-# 64 rows, two MMA warpgroups; the same with the scores split over k (`hopper.KSPLIT`); up to 32 rows, one MMA
-# warpgroup on transposed products
+# 64 rows, two MMA warpgroups; the same with the scores split over k (`HOPPER_KSPLIT_TILE`); up to 32 rows, one
+# MMA warpgroup on transposed products
 FORMS = ("wide", "wide_ks", "narrow")
 
-
-@pytest.fixture(autouse=True)
-def _ksplit_form(request, monkeypatch):
-    """Tests parametrised with form "wide_ks" run with the measurement switch `hopper.KSPLIT` on."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("form") == "wide_ks":
-        from mla_tune.backends.triton_mla import hopper
-
-        monkeypatch.setattr(hopper, "KSPLIT", True)
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised kernel needs an SM90 GPU")
 
 
