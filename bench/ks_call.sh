@@ -35,7 +35,9 @@ for kv, heads, q_len, page, topk in cases:
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
     print(kv, heads, q_len, page, topk, params.label(), r, f"{time.time() - t:.1f}s", flush=True)
 PY
-timeout ${AB_S:-260} python3 bench/hopper_dev.py --out "$OUT/ab-$NAME.txt" ${AB_ARGS:-} 2>&1 | tail -3
+if [ -n "${AB_ARGS:-}" ]; then
+  timeout ${AB_S:-260} python3 bench/hopper_dev.py --out "$OUT/ab-$NAME.txt" ${AB_ARGS} 2>&1 | tail -3
+fi
 for mode in ${DEBUG_MODES:-}; do
   timeout ${DEBUG_S:-90} python3 bench/hopper_dev.py --debug $mode --shapes big ${DEBUG_ARGS} \
     --out "$OUT/debug-$NAME.txt" 2>&1 | tail -1
