@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call for the warp-specialised Hopper kernel: install, smoke test under a timeout (a deadlocked
-# pipeline must not eat the call), same-process A/B against the shipped tl tiles, then the kernel's GPU tests.
-# Usage (device root): OUT=dir NAME=h100-call37 [GRID=1] AB_ARGS="..." [DEBUG_MODES="..."] TEST_K="..." \
-#   bash bench/hopper_call.sh
+# pipeline must not eat the call), then what the variables ask for: the official grids (GRID=1), a same-process A/B
+# against the shipped tl tiles (AB_ARGS), measurement modes (DEBUG_MODES), the kernel's GPU tests (TEST_K; "all":
+# every one).
+# Usage (device root): OUT=dir NAME=h100-call37 [FORM=wide_ks] [GRID=1] [AB_ARGS="..."] [DEBUG_MODES="..."] \
+#   [TEST_K="..."] bash bench/hopper_call.sh
+# FORM: the form the smoke cases run in (`_params`' form, "wide" by default; "wide_ks" for the k-split form).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
@@ -14,7 +17,7 @@ NAME=${NAME:-h100}
   python3 -c "import torch, triton; print('# torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/env-$NAME.txt"
 timeout ${SMOKE_S:-150} python3 - <<'PY' 2>&1 | tee "$OUT/smoke-$NAME.txt"
-import sys, time
+import os, sys, time
 sys.path.insert(0, "tests/backends")
 import torch
 from test_triton_mla import _run_case
@@ -27,7 +30,8 @@ for kv, heads, q_len, page, topk in cases:
     lens = [1, 15, 16, 17, 1000, 0, 5000, 777]
     batch = len(lens)
     params = _params(kv, heads=heads, q_len=q_len, batch=batch, max_items=topk or 5000,
-                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk))
+                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk),
+                     form=os.environ.get("FORM", "wide"))
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=page, q_len=q_len, topk=topk)
     r = _run_case(problem, Shape(batch, 5000), device="cuda", params=params,
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
@@ -36,12 +40,17 @@ PY
 if [ -n "${GRID:-}" ]; then  # the official grids with FlashInfer, on the shipped defaults
   timeout ${GRID_S:-400} bash bench/final_grid.sh "$NAME" 2>&1 | tail -30 | tee "$OUT/grid-summary-$NAME.txt"
 fi
-timeout ${AB_S:-260} python3 bench/hopper_dev.py --out "$OUT/ab-$NAME.txt" ${AB_ARGS:-} 2>&1 | tail -3
+if [ -n "${AB_ARGS:-}" ]; then
+  timeout ${AB_S:-260} python3 bench/hopper_dev.py --out "$OUT/ab-$NAME.txt" ${AB_ARGS} 2>&1 | tail -3
+fi
 for mode in ${DEBUG_MODES:-}; do
-  timeout 60 python3 bench/hopper_dev.py --debug $mode --shapes big --heads 16,64,128 ${DEBUG_ARGS:-} \
+  timeout ${DEBUG_S:-60} python3 bench/hopper_dev.py --debug $mode --shapes big --heads 16,64,128 ${DEBUG_ARGS:-} \
     --out "$OUT/debug-$NAME.txt" 2>&1 | tail -1
 done
-timeout ${TEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_triton_mla_hopper.py \
-  ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 > "$OUT/tests-$NAME.txt"
-tail -3 "$OUT/tests-$NAME.txt"
+if [ -n "${TEST_K:-}" ]; then
+  [ "$TEST_K" = all ] && TEST_K=""
+  timeout ${TEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_triton_mla_hopper.py \
+    ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 > "$OUT/tests-$NAME.txt"
+  tail -3 "$OUT/tests-$NAME.txt"
+fi
 if [ -f "$OUT/ab-$NAME.txt" ]; then grep "^#" "$OUT/ab-$NAME.txt" | tail -8; fi
