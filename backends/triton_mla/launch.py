@@ -237,14 +237,17 @@ HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
                 for rows, shape in HOPPER_SHAPES.items()}
 # The k-split wide form (`HOPPER_KSPLIT_SHAPE`) and the smallest dense batch from which it replaces the wide form,
-# by (KV kind, rows bucket). Same-process A/Bs on an H100 and an H200 (bench/results/ks_ab-h100-call99.txt,
-# ks_ab-h200-call98.txt; time over the wide form's, H100 / H200): dense 128 heads BF16 0.95 / 0.93 at batch 4 kv
-# 16k and batch 16 kv 4k, 0.91 / 0.91-0.93 at batch 64-128; FP8 0.90 / 0.88 at batch 64 kv 4k, 0.85 / 0.85 at batch
-# 128 kv 16k, but 1.02 / 1.01-1.02 at batch 4-16 (16 tiles a program: its 4-warp query load shows) and 1.03-1.04 at
-# batch 1. Not at 64 heads (BF16 0.99-1.00 on the H100; FP8 1.02-1.03) nor sparse (1.01-1.12 slower: it spills
-# there and loads the top-k positions in both warpgroups).
+# by (KV kind, rows bucket). Same-process A/Bs (time over the wide form's): dense 128 heads, uniform lengths
+# (bench/results/ks_ab-h100-call99.txt, ks_ab-h200-call98.txt; H100 / H200): BF16 0.95 / 0.93 at batch 4 kv 16k
+# and batch 16 kv 4k, 0.91 / 0.91-0.93 at batch 64-128; FP8 0.90 / 0.88 at batch 64 kv 4k (one split of 64 tiles),
+# 0.85 / 0.85 at batch 128 kv 16k (256 tiles), but 1.01-1.02 at batch 4-16 (splits of 16 tiles: its 4-warp query
+# load shows). Ragged lengths, where the splits are shorter (ks_ab_ragged-h100-call105.txt, H100): BF16 0.93 / 0.96
+# at batch 128 / 64, 0.99 at 16, 1.02 at 4; FP8 1.01-1.08 at every batch (5-6 splits at batch 64-128). So BF16 takes
+# it from batch 16 and FP8 not by default: the tuner's refinement times both wide forms at dense 128 rows and keeps
+# the k-split one where it measured faster. Not at 64 heads (BF16 0.99-1.00 on the H100, FP8 1.02-1.03) nor sparse
+# (1.01-1.12 slower: it spills there and loads the top-k positions in both warpgroups).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): 4, ("fp8", 128): 64}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): 16}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
