@@ -45,10 +45,11 @@ NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LO
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (the k-split wide form) or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of `NARROW`) ->
-    (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs): `HOPPER_TILE` [with
-    min_split_tokens 256], or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it
-    ('narrow'), with one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
+    `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
+    `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and
+    up), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with one staged
+    FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]

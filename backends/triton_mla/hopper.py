@@ -430,7 +430,7 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
                       qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
                       stride_lt, stride_lh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                       SPARSE: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
-    """One of the k-split wide form's two MMA warpgroups (`KSPLIT`; a launch with 4 warps, `launch.HOPPER_KSPLIT_SHAPE`).
+    """One of the k-split wide form's two MMA warpgroups (`KSPLIT`: a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`).
 
     Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
     latent 0-255, 20 k-steps; 1: latent 256-511, 16 k-steps) as one m64n64 wgmma chain: per k-step it reads

@@ -424,9 +424,10 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
         for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
             if min_batch is not None and batch >= min_batch:
-                ksplit = not sparse and tile is HOPPER_TILE and batch >= HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket),
-                                                                                                    batch + 1)
-                return HOPPER_KSPLIT_TILE if ksplit else tile
+                ksplit_min = None if sparse else HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket))
+                if tile is HOPPER_TILE and ksplit_min is not None and batch >= ksplit_min:
+                    return HOPPER_KSPLIT_TILE
+                return tile
     return _table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
 
 
@@ -461,8 +462,9 @@ def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, nu
 
 # The tuner's refinement per device (`candidate_tiles`): besides the default tile it times the other kernel
 # family at the same rows (on SM90: the tl tile where the default is the warp-specialised kernel, and the other
-# way round, both forms of it for 16-32 rows, both wide forms for dense 128 rows) and the default with its minimum split scaled by these factors
-# (clamped to `PARAM_SPACE`), then keeps the fastest correct one per shape. At most REFINE_MAX_TILES in all.
+# way round, both forms of it for 16-32 rows, both wide forms for dense 128 rows) and the default with its
+# minimum split scaled by these factors (clamped to `PARAM_SPACE`), then keeps the fastest correct one per shape.
+# At most REFINE_MAX_TILES in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)
 REFINE_MAX_TILES = 4
 

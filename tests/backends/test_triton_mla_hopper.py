@@ -128,7 +128,8 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
             assert hopper.warp_specialized == (narrow or wide), (batch, items, hopper)
             if narrow or wide:  # the form: narrow (16/32 rows) or wide (64; dense 128 rows: k-split from a batch)
                 assert hopper.block_h == (bucket if narrow else 64), (batch, items, hopper)
-                ksplit = wide and not sparse and batch >= HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket), batch + 1)
+                ksplit_min = None if sparse else HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket))
+                ksplit = wide and ksplit_min is not None and batch >= ksplit_min
                 assert hopper.num_warps == (4 if ksplit or narrow else 8), (batch, items, hopper)
             for other in (8, 10, 12, None):  # no wgmma / setmaxnreg there (None: the CPU interpreter)
                 assert not default_params(**kwargs, cc_major=other).warp_specialized
