@@ -29,8 +29,10 @@ and 20.
 The k-split wide form (a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`; `_mma_partition_ks`): the two MMA
 warpgroups are two partitions, each scoring all 64 tokens of a tile over its part of the 576 query columns
 (m64n64 instead of m64n32), with one exchange of fp16 partial scores a tile; each then runs the same softmax
-and keeps p in registers. It runs dense 128-head (two row blocks) batches from `launch.HOPPER_KSPLIT_MIN_BATCH`,
-where it took 0.85-0.95 of the wide form's time (device calls 98-99, bench/TRITON_NOTES.md round 26).
+and keeps p in registers. By default it runs dense BF16 128-row buckets (two row blocks a request) from
+`launch.HOPPER_KSPLIT_MIN_BATCH`, where it took 0.91-0.99 of the wide form's time; FP8 wins only with long programs
+(0.85-0.90 with one split of 64-256 tiles, 1.01-1.08 with ragged lengths), so the tuner decides there (device calls
+98-105, bench/TRITON_NOTES.md round 26).
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
