@@ -42,6 +42,7 @@ HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
 # (`hopper._mma_partition_ks`), told apart from the wide form by its 4 launch warps (the first MMA warpgroup; the
 # second and the loader are workers).
 HOPPER_KSPLIT_SHAPE = (64, 64, 4, 2)
+WARP_SPECIALIZED_SHAPES = (*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE)  # every launch shape the kernel has
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
 
@@ -131,10 +132,10 @@ class LaunchParams:
             if tl_only:
                 raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
             shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
-            shapes = [*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE]
-            if shape not in shapes:
+            if shape not in WARP_SPECIALIZED_SHAPES:
                 raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
-                                 f"{' or '.join(map(str, shapes))} only (227 KiB of shared memory), got {shape}")
+                                 f"{' or '.join(map(str, WARP_SPECIALIZED_SHAPES))} only (227 KiB of shared memory), "
+                                 f"got {shape}")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -236,18 +237,20 @@ HOPPER_TILE = Tile(*HOPPER_SHAPE, False, 1, False, 128, warp_specialized=True)
 # The same for each rows bucket the kernel has a form for (16 and 32: the narrow one).
 HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
                 for rows, shape in HOPPER_SHAPES.items()}
-# The k-split wide form (`HOPPER_KSPLIT_SHAPE`) and the smallest dense batch from which it replaces the wide form,
-# by (KV kind, rows bucket). Same-process A/Bs (time over the wide form's): dense 128 heads, uniform lengths
-# (bench/results/ks_ab-h100-call99.txt, ks_ab-h200-call98.txt; H100 / H200): BF16 0.95 / 0.93 at batch 4 kv 16k
-# and batch 16 kv 4k, 0.91 / 0.91-0.93 at batch 64-128; FP8 0.90 / 0.88 at batch 64 kv 4k (one split of 64 tiles),
-# 0.85 / 0.85 at batch 128 kv 16k (256 tiles), but 1.01-1.02 at batch 4-16 (splits of 16 tiles: its 4-warp query
-# load shows). Ragged lengths, where the splits are shorter (ks_ab_ragged-h100-call105.txt, H100): BF16 0.93 / 0.96
-# at batch 128 / 64, 0.99 at 16, 1.02 at 4; FP8 1.01-1.08 at every batch (5-6 splits at batch 64-128). So BF16 takes
-# it from batch 16 and FP8 not by default: the tuner's refinement times both wide forms at dense 128 rows and keeps
-# the k-split one where it measured faster. Not at 64 heads (BF16 0.99-1.00 on the H100, FP8 1.02-1.03) nor sparse
-# (1.01-1.12 slower: it spills there and loads the top-k positions in both warpgroups).
+# The k-split wide form (`HOPPER_KSPLIT_SHAPE`) and, as in `HOPPER_MIN_BATCH`, the smallest (dense, sparse) batch from
+# which it replaces the wide form, by (KV kind, rows bucket). Same-process A/Bs (time over the wide form's): dense 128
+# heads, uniform lengths (bench/results/ks_ab-h100-call99.txt, ks_ab-h200-call98.txt; H100 / H200): BF16 0.95 /
+# 0.93-0.94 at batch 4 kv 16k and batch 16 kv 4k, 0.91 / 0.91-0.93 at batch 64-128; FP8 0.90 / 0.88 at batch 64 kv 4k
+# (one split of 64 tiles), 0.85 / 0.85 at batch 128 kv 16k (256 tiles), but 1.01-1.02 at batch 4-16 (splits of 16
+# tiles: its 4-warp query load shows). Ragged lengths, where the splits are shorter (ks_ab_ragged-h100-call105.txt,
+# H100): BF16 0.93 / 0.96 at batch 128 / 64, 0.99 at 16, 1.02 at 4; FP8 1.01-1.08 at every batch (5-6 splits at batch
+# 64-128). So BF16 takes it from batch 16 and FP8 not by default: the tuner's refinement times both wide forms at
+# dense 128 rows and keeps the k-split one where it measured faster. Not at 64 heads (BF16 0.99-1.01 on the H100, 0.95
+# at batch 64-128 on the H200; FP8 1.02-1.03 / 1.00-1.04) nor sparse (1.01-1.12 slower: it spills there and loads the
+# top-k positions in both warpgroups). 128 packed rows of 64 heads and two query tokens take it too (two row blocks;
+# not measured).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): 16}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (16, None)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
@@ -408,10 +411,10 @@ BIG_TILE_CC_MAJORS = (9, 10)
 
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                  kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
-    """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form)
-    or `HOPPER_MIN_BATCH` says it wins (and the requests are not short, `short_requests`; the k-split wide form
-    from `HOPPER_KSPLIT_MIN_BATCH`), otherwise the tile of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES`
-    for few requests).
+    """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form),
+    `HOPPER_KSPLIT_MIN_BATCH` (its k-split wide form) or `HOPPER_MIN_BATCH` (the wide form) says it wins, the first
+    that does (and the requests are not short, `short_requests`), otherwise the tile of `TILE_TABLE` for the head
+    rows (`SMALL_BATCH_TILES` for few requests).
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
@@ -421,12 +424,10 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
     kind, bucket = "fp8" if kv_fp8 else "16bit", rows_bucket(rows)
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
-        for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_MIN_BATCH, HOPPER_TILE)):
+        for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)),
+                            (HOPPER_KSPLIT_MIN_BATCH, HOPPER_KSPLIT_TILE), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
             if min_batch is not None and batch >= min_batch:
-                ksplit_min = None if sparse else HOPPER_KSPLIT_MIN_BATCH.get((kind, bucket))
-                if tile is HOPPER_TILE and ksplit_min is not None and batch >= ksplit_min:
-                    return HOPPER_KSPLIT_TILE
                 return tile
     return _table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
 
