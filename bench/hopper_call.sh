@@ -29,9 +29,13 @@ for kv, heads, q_len, page, topk in cases:
     t = time.time()
     lens = [1, 15, 16, 17, 1000, 0, 5000, 777]
     batch = len(lens)
-    params = _params(kv, heads=heads, q_len=q_len, batch=batch, max_items=topk or 5000,
-                     lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens], sparse=bool(topk),
-                     form=os.environ.get("FORM", "wide"))
+    try:
+        params = _params(kv, heads=heads, q_len=q_len, batch=batch, max_items=topk or 5000,
+                         lengths=[topk] * batch if topk else [max(n, q_len) if n else 0 for n in lens],
+                         sparse=bool(topk), form=os.environ.get("FORM", "wide"))
+    except BaseException as exc:  # pytest.skip: the form does not take this case
+        print(kv, heads, q_len, page, topk, "skipped:", exc, flush=True)
+        continue
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=page, q_len=q_len, topk=topk)
     r = _run_case(problem, Shape(batch, 5000), device="cuda", params=params,
                   seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
