@@ -30,8 +30,7 @@ from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # n
 from mla_tune.backends.triton_mla import hopper  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
 from mla_tune.backends.triton_mla.launch import (  # noqa: E402
-    HOPPER_KSPLIT_TILE, HOPPER_PINGPONG_TILES, HOPPER_TILE, HOPPER_TILES, default_params, params_from_tile,
-    rows_bucket)
+    HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_params, params_from_tile, rows_bucket)
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -46,10 +45,10 @@ NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LO
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:pp' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
     `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
     `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and
-    up), the narrow form's ping-pong `HOPPER_PINGPONG_TILES` ('pp', 16 and 32 rows), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with one staged
+    up), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with one staged
     FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
     if rest in NARROW:
@@ -57,8 +56,6 @@ def candidate(spec: str):
     tile = HOPPER_TILE
     if rest == "ks":  # the k-split wide form (HOPPER_KSPLIT_TILE)
         return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, {}
-    if rest == "pp":  # the narrow form's ping-pong (HOPPER_PINGPONG_TILES)
-        return kind, lambda bucket: HOPPER_PINGPONG_TILES.get(bucket), {}
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, lambda bucket: tile, {}

@@ -67,14 +67,12 @@ DEBUG_MODE = 0
 STAGED_LOADERS = None
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False,
-                      pingpong: bool = False) -> int:
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and,
-    in the narrow form, `p` (one per MMA warpgroup: two in the ping-pong) and (FP8) the staging ring of two half
-    tiles of e4m3 bytes; in the k-split form the second warpgroup's fp16 partial scores."""
+    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; in the k-split form the
+    second warpgroup's fp16 partial scores."""
     narrow = rows < ROWS.value
-    p_buffers = (2 if pingpong else 1) if narrow else int(ksplit)
-    return (rows * 576 * 2 + stages * block_n * 576 * 2 + p_buffers * rows * block_n * 2
+    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow or ksplit else 0)
             + (block_n * 576 if narrow and kv_fp8 else 0))
 
 
@@ -363,23 +361,16 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
 
 
 @gluon.jit
-def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, merge_bar, o_ptr, lse_ptr,
-                          topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                          out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
-                          stride_lh, N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          Q_LEN: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr = 0,
-                          N_WG: gl.constexpr = 1):
-    """An MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
+def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                          pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
+                          stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
+                          N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
+                          SPARSE: gl.constexpr, DEBUG: gl.constexpr):
+    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
     in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
     MMA (the wide kernel's form); here each MMA does only the rows there are, and the softmax (over the
     tokens, dim 0) needs no exchange with another warpgroup.
-
-    Ping-pong (`N_WG` 2, `PINGPONG`): warpgroup `WG` takes tiles `WG, WG + 2, ...` (with two slots, always slot
-    `WG`) with an online softmax of its own, so one warpgroup's softmax and waits run beside the other's MMAs.
-    At the end warpgroup 1 leaves its unnormalised `o^T`, row max and row sum in its own slot (free: its last
-    reader was its own finished MMA) and warpgroup 0 merges them into its own before the epilogue (exact in
-    float32, as the split combine).
     """
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, N_ROWS, 16])
@@ -391,15 +382,10 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
     acc = gl.zeros([512, N_ROWS], gl.float32, s_layout)
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    l_i = gl.zeros([N_ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    if DEBUG == 1 and WG == 0:
+    if DEBUG == 1:
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-    # Ping-pong: a warpgroup's slot is the same every tile, and the compiler would then keep the slot's 68 wgmma
-    # descriptors in registers across the loop (500-700 B of spills, offline); a step it cannot prove to be 2
-    # (a sequence length is never negative) makes it recompute them per tile, as the one-warpgroup form does.
-    step = N_WG + (seq_len >> 31) if N_WG == 2 else 1
-    for t in range(WG, n_tiles if DEBUG != 1 else 0, step):
+    for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
@@ -418,10 +404,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         # The row sums of the rounded p that `o^T = v^T p^T` multiplies, kept per token and reduced over the
         # tokens (across the four warps) once, after the loop, not per tile (round 21: 0.93-0.95 of the time at
         # FP8 batch 128 kv 16k, device call 77).
-        if N_WG == 2:
-            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 0)
-        else:
-            l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
+        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
         p_smem.permute((1, 0)).store(p)
         fence_async_shared()
         acc = acc * alpha[None, :]
@@ -429,41 +412,9 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
 
-    if N_WG == 1:
-        l_i = gl.sum(l_acc, 0)
-    if N_WG == 2:
-        part_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
-        part = k_lat.index(1)._reinterpret(gl.float32, [512, N_ROWS], part_layout)  # 64 KiB slot, <= 64 KiB
-        stats = k_rope.index(1)._reinterpret(gl.float32, [2 * N_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if WG == 1:
-            part.store(acc)
-            stats.slice(0, N_ROWS).store(m_i)
-            stats.slice(N_ROWS, N_ROWS).store(l_i)
-            mbarrier.arrive(merge_bar)
-        else:
-            mbarrier.wait(merge_bar, 0)
-            m_1 = stats.slice(0, N_ROWS).load(rows_s)
-            m_new = gl.maximum(m_i, m_1)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha_0 = gl.exp2(m_i - m_safe)
-            alpha_1 = gl.exp2(m_1 - m_safe)
-            l_i = l_i * alpha_0 + stats.slice(N_ROWS, N_ROWS).load(rows_s) * alpha_1
-            acc = acc * alpha_0[None, :] + part.load(s_layout) * alpha_1[None, :]
-            m_i = m_new
-    if WG == 0:
-        _narrow_epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
-                         stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, s_layout,
-                         N_ROWS, Q_LEN, SPARSE)
-
-
-@gluon.jit
-def _narrow_epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
-                     stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
-                     s_layout: gl.constexpr, N_ROWS: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr):
-    """The narrow form's epilogue: the partial (or final) output, transposed (each lane's values of one row are
-    8 columns apart from its neighbours', so the stores still fill 32-byte sectors), and the LSE."""
-    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # Epilogue: the partial (or final) output, transposed (each lane's values of one row are 8 columns apart
+    # from its neighbours', so the stores still fill 32-byte sectors), and the LSE.
+    l_i = gl.sum(l_acc, 0)
     qi, h, ok = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE, N_ROWS)
     cols = gl.arange(0, 512, layout=toks_s)
     o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
@@ -582,7 +533,7 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
-    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PINGPONG: gl.constexpr = False,
+    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -637,55 +588,18 @@ def _mla_hopper_kernel(
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
-        p_smem = gl.allocate_shared_memory(mma_dtype, [2 if PINGPONG else 1, N_ROWS, BLOCK_N], smem_layout)
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         if KV_FP8:
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    if PINGPONG:
-        # The narrow form's ping-pong: two MMA warpgroups on alternate tiles, both workers with `MMA_REGS`
-        # registers; one loader (FP8: the staged one) is the default partition, the launch's 4 warps.
-        merge_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(merge_bar, count=1)
-        if KV_FP8:
-            gl.warp_specialize([
-                (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                          stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                          PAGE_SIZE, SPARSE, DEBUG)),
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(0), full_bars, empty_bars,
-                                         merge_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads,
-                                         start, end, n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os,
-                                         stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS,
-                                         BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, 2)),
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(1), full_bars, empty_bars,
-                                         merge_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads,
-                                         start, end, n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os,
-                                         stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS,
-                                         BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, 2))],
-                [4, 4], [MMA_REGS, MMA_REGS])
-        else:
-            gl.warp_specialize([
-                (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                   k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                                   DEBUG)),
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(0), full_bars, empty_bars,
-                                         merge_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads,
-                                         start, end, n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os,
-                                         stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS,
-                                         BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, 2)),
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(1), full_bars, empty_bars,
-                                         merge_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads,
-                                         start, end, n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os,
-                                         stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS,
-                                         BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, 2))],
-                [4, 4], [MMA_REGS, MMA_REGS])
-    elif N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
+    if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(0), full_bars, empty_bars, full_bars,
-                                     o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
-                                     n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot,
-                                     stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES,
-                                     Q_LEN, SPARSE, DEBUG)),
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
@@ -695,22 +609,22 @@ def _mla_hopper_kernel(
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(0), full_bars, empty_bars, full_bars,
-                                     o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
-                                     n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot,
-                                     stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES,
-                                     Q_LEN, SPARSE, DEBUG)),
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem.index(0), full_bars, empty_bars, full_bars,
-                                     o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
-                                     n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot,
-                                     stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES,
-                                     Q_LEN, SPARSE, DEBUG)),
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
+                                     DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 2)),

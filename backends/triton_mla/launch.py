@@ -42,13 +42,7 @@ HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
 # (`hopper._mma_partition_ks`), told apart from the wide form by its 4 launch warps (the first MMA warpgroup; the
 # second and the loader are workers).
 HOPPER_KSPLIT_SHAPE = (64, 64, 4, 2)
-# The narrow form's ping-pong for 16 or 32 rows: two MMA warpgroups on alternate tiles (`hopper._mma_partition_narrow`
-# with two warpgroups), told apart from the narrow form by its 8 MMA warps (the launch has 4: the loader, the default
-# partition; both MMA warpgroups are workers with HOPPER_PINGPONG_MMA_REGS registers).
-HOPPER_PINGPONG_SHAPES = {32: (32, 64, 8, 2), 16: (16, 64, 8, 2)}
-HOPPER_PINGPONG_MMA_REGS = 208
-WARP_SPECIALIZED_SHAPES = (*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE,
-                           *HOPPER_PINGPONG_SHAPES.values())  # every launch shape the kernel has
+WARP_SPECIALIZED_SHAPES = (*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE)  # every launch shape the kernel has
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
 
@@ -256,8 +250,6 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # top-k positions in both warpgroups). 128 packed rows of 64 heads and two query tokens take it too (two row blocks;
 # not measured).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_PINGPONG_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
-                         for rows, shape in HOPPER_PINGPONG_SHAPES.items()}
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (16, None)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
@@ -635,18 +627,11 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                              override=hopper.STAGED_LOADERS)
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
-    pingpong = is_pingpong(params)
-    mma_regs = ksplit_mma_regs(load_regs) if ksplit else HOPPER_PINGPONG_MMA_REGS if pingpong else 0
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
-        LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=1 if pingpong else loaders,
-        KSPLIT=ksplit, MMA_REGS=mma_regs, PINGPONG=pingpong,
-        num_warps=4 if pingpong else params.num_warps, maxnreg=HOPPER_MAXNREG)
-
-
-def is_pingpong(params) -> bool:
-    """The launch (a `LaunchParams` or `Tile`) is the narrow form's ping-pong (`HOPPER_PINGPONG_SHAPES`)."""
-    return bool(params.warp_specialized) and params.block_h < HOPPER_SHAPE[0] and params.num_warps == 8
+        LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders,
+        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
+        num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:

@@ -204,24 +204,24 @@ def _hopper() -> bool:
 
 def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, form="wide"):
     """The wide kernel's parameters (64 rows; "wide_ks": its k-split form), or the narrow form's for the rows
-    bucket ("narrow_pp": its ping-pong; skips above 32 rows)."""
+    bucket (skips above 32 rows)."""
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_KSPLIT_TILE, HOPPER_PINGPONG_TILES, HOPPER_TILE, HOPPER_TILES, params_from_tile, rows_bucket)
+        HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, params_from_tile, rows_bucket)
 
     rows = heads if sparse else heads * q_len
     tile = HOPPER_KSPLIT_TILE if form == "wide_ks" else HOPPER_TILE
-    if form in ("narrow", "narrow_pp"):
+    if form == "narrow":
         if rows > 32:
             pytest.skip("the narrow form takes up to 32 rows")
-        tile = (HOPPER_PINGPONG_TILES if form == "narrow_pp" else HOPPER_TILES)[rows_bucket(rows)]
+        tile = HOPPER_TILES[rows_bucket(rows)]
     return params_from_tile(tile, rows=rows, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                             lengths=lengths, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 # 64 rows, two MMA warpgroups; the same with the scores split over k (`HOPPER_KSPLIT_TILE`); up to 32 rows, one
-# MMA warpgroup on transposed products; the same with two on alternate tiles (`HOPPER_PINGPONG_TILES`)
-FORMS = ("wide", "wide_ks", "narrow", "narrow_pp")
+# MMA warpgroup on transposed products
+FORMS = ("wide", "wide_ks", "narrow")
 
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised kernel needs an SM90 GPU")
 
