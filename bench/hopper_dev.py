@@ -30,7 +30,7 @@ from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # n
 from mla_tune.backends.triton_mla import hopper  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
 from mla_tune.backends.triton_mla.launch import (  # noqa: E402
-    HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_params, params_from_tile, rows_bucket)
+    HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_params, packed_rows, params_from_tile, rows_bucket)
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -94,6 +94,7 @@ def main():
     ap.add_argument("--dense-only", action="store_true")
     ap.add_argument("--sparse-only", action="store_true")
     ap.add_argument("--ragged", action="store_true")
+    ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (MTP; dense rows = q_len x heads)")
     ap.add_argument("--shapes", default="default", choices=sorted(SHAPE_SETS))
     ap.add_argument("--fa3", action="store_true", help="also time FlashInfer FA3 (JIT on first use)")
     ap.add_argument("--debug", default=None, choices=sorted(DEBUG_MODES),
@@ -125,19 +126,21 @@ def main():
             log("# budget reached")
             break
         kind = "fp8" if kv == "fp8_e4m3" else "16bit"
-        case = Case(Problem(heads, kv, page_size=64, topk=topk), Shape(batch, kv_len), ragged=args.ragged)
+        case = Case(Problem(heads, kv, page_size=64, q_len=args.q_len, topk=topk), Shape(batch, kv_len),
+                    ragged=args.ragged)
+        rows = packed_rows(heads, args.q_len, sparse=bool(topk))
         roof = case.roofline_us(bw, mm)
         adapter_cls = TritonMLASparse if topk else TritonMLA
         # the tl tiles as shipped before the Hopper kernel (cc_major None: no warp-specialised dispatch)
-        tl_params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=case.max_items, num_sms=sms,
-                                   sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
+        tl_params = default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
+                                   num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
         base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
         for i, (ckind, tile_for, switches) in enumerate(cands):
-            tile = tile_for(rows_bucket(heads))
+            tile = tile_for(rows_bucket(rows))
             if ckind != kind or tile is None:
                 continue
-            params = params_from_tile(tile, rows=heads, q_len=1, batch=batch, max_items=case.max_items,
+            params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch, max_items=case.max_items,
                                       num_sms=sms, sparse=bool(topk), lengths=case.lengths)
             r = timed(case, adapter_cls(params), debug=args.debug, switches=switches)
             tag = ""
