@@ -133,7 +133,8 @@ def main():
         adapter_cls = TritonMLASparse if topk else TritonMLA
         # the tl tiles as shipped before the Hopper kernel (cc_major None: no warp-specialised dispatch)
         tl_params = default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
-                                   num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths, cc_major=None)
+                                   num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths,
+                                   cc_major=None)
         base = check_and_time(case, adapter_cls(tl_params))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
         for i, (ckind, tile_for, switches) in enumerate(cands):
