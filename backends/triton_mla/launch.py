@@ -247,8 +247,9 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 64-128). So BF16 takes it from batch 16 and FP8 not by default: the tuner's refinement times both wide forms at
 # dense 128 rows and keeps the k-split one where it measured faster. Not at 64 heads (BF16 0.99-1.01 on the H100, 0.95
 # at batch 64-128 on the H200; FP8 1.02-1.03 / 1.00-1.04) nor sparse (1.01-1.12 slower: it spills there and loads the
-# top-k positions in both warpgroups). 128 packed rows of 64 heads and two query tokens take it too (two row blocks;
-# not measured).
+# top-k positions in both warpgroups). 128 packed rows of 64 heads and two query tokens take it too (two row blocks);
+# measured there (ks_q2-h100-call108.txt, ks_q2_ragged-h100-call108.txt, H100): BF16 0.91-0.94 at batch 64-128 uniform,
+# 0.94-0.97 ragged, 0.97 / 1.01 at batch 16, 0.95 / 1.02 at 4; FP8 0.84-0.88 uniform at batch 64-128, 1.01-1.06 ragged.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (16, None)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
