@@ -42,12 +42,10 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
 NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
-# Wide-form candidates with a measurement switch: the loaders' row lookups one or two tiles ahead.
-SWITCHES = {"look1": {"ROW_LOOKAHEAD": 1}, "look2": {"ROW_LOOKAHEAD": 2}}
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:look2' (a key of `SWITCHES`) or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
     `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
     `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and
     up), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with one staged
@@ -56,8 +54,6 @@ def candidate(spec: str):
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
-    if rest in SWITCHES:  # the wide form with a measurement switch of hopper.py
-        return kind, lambda bucket: HOPPER_TILE, SWITCHES[rest]
     if rest == "ks":  # the k-split wide form (HOPPER_KSPLIT_TILE)
         return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, {}
     if rest.startswith("m"):

@@ -65,9 +65,6 @@ DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
-# Measurement only (bench/hopper_dev.py): how many tiles ahead the cp.async / register loaders look up their rows
-# (1 or 2), instead of `launch.HOPPER_ROW_LOOKAHEAD`. None in production.
-ROW_LOOKAHEAD = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -176,8 +173,7 @@ def _store_chunks(dst_lat, dst_rope, xs):
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    LOOKAHEAD: gl.constexpr = 1):
+                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -198,9 +194,6 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
     row, ok = _tile_rows(start + FIRST * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    if LOOKAHEAD == 2:  # the row pointers of the loader's next tile too (its top-k and block-table loads in flight)
-        row_n, ok_n = _tile_rows(start + (FIRST + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
     for t in range(FIRST, n_tiles, STRIDE):
         slot = t % STAGES
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
@@ -219,13 +212,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             if DEBUG != 2:
                 _copy_tile(k_lat.index(slot), k_rope.index(slot), row, ok, layout)
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
-        if LOOKAHEAD == 2:
-            row, ok = row_n, ok_n
-            row_n, ok_n = _tile_rows(start + (t + 2 * STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                     stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        else:
-            row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
-                                 stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
+                             stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
 
 
 @gluon.jit
@@ -545,7 +533,7 @@ def _mla_hopper_kernel(
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
-    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, ROW_LOOKAHEAD: gl.constexpr = 1,
+    KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -639,10 +627,10 @@ def _mla_hopper_kernel(
                                      DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 2, ROW_LOOKAHEAD)),
+                               DEBUG, 0, 2)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 1, 2, ROW_LOOKAHEAD))],
+                               DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif KSPLIT:
         # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
@@ -665,7 +653,7 @@ def _mla_hopper_kernel(
                                  stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, ROW_LOOKAHEAD))],
+                               DEBUG))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -675,5 +663,5 @@ def _mla_hopper_kernel(
                               stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, ROW_LOOKAHEAD))],
+                               DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])

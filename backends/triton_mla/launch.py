@@ -282,9 +282,6 @@ HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 1
 # over time with one, 16 and 32 heads): sparse 0.86-0.98 (batch 4-128), dense 1.01-1.06 (batch 1-128; the
 # loader alone took the same time either way, 423 against 424 us at batch 128 kv 16k).
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
-# How many tiles ahead the Hopper kernel's cp.async and register loaders compute their row pointers (the top-k and
-# block-table loads).
-HOPPER_ROW_LOOKAHEAD = 1
 
 
 def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | None = None) -> int:
@@ -634,7 +631,6 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
         LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders,
-        ROW_LOOKAHEAD=hopper.ROW_LOOKAHEAD or HOPPER_ROW_LOOKAHEAD,
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
 
