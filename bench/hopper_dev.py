@@ -42,15 +42,20 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
 NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
+# Candidates of the dispatched form (`default_params` on this GPU) with a measurement switch of hopper.py.
+SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}}
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' or a narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:dflt' / 'fp8:evl' (the dispatched tile, `SWITCHES`) or a
+    narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
     `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
     `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and
     up), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with one staged
     FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
+    if rest in SWITCHES:  # the tile launch.default_params dispatches on this GPU
+        return kind, lambda bucket: "default", SWITCHES[rest]
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
@@ -141,8 +146,14 @@ def main():
             tile = tile_for(rows_bucket(rows))
             if ckind != kind or tile is None:
                 continue
-            params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch, max_items=case.max_items,
-                                      num_sms=sms, sparse=bool(topk), lengths=case.lengths)
+            if tile == "default":
+                params = default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
+                                        num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths,
+                                        cc_major=torch.cuda.get_device_capability()[0])
+            else:
+                params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch,
+                                          max_items=case.max_items, num_sms=sms, sparse=bool(topk),
+                                          lengths=case.lengths)
             r = timed(case, adapter_cls(params), debug=args.debug, switches=switches)
             tag = ""
             if r["status"] == "ok" and base["status"] == "ok":

@@ -1,7 +1,9 @@
-"""Run one TRITON_MLA(_SPARSE) decode a few times, for a profiler (Nsight Compute) to capture.
+"""Run one TRITON_MLA(_SPARSE) decode a few times, for a profiler (Nsight Compute) to capture, or (--kernel-times)
+print the CUDA time of each kernel it launches (stage 1, the split combine) from the PyTorch profiler.
 
     ncu -k regex:_mla_split_kernel -s 3 -c 1 --section WarpStateStats ... \\
         python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 4096 --kv-dtype bf16
+    python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 32768 --topk 2048 --kernel-times
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bf16")
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="print each kernel's mean CUDA time over --runs runs (PyTorch profiler, warm L2)")
     args = ap.parse_args()
     problem = Problem(args.heads, args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=1, ragged=False)
@@ -31,6 +35,21 @@ def main() -> None:
         prepared.run(inputs)
     torch.cuda.synchronize()
     print("params", prepared.params.label())
+    if args.kernel_times:
+        print_kernel_times(lambda: prepared.run(inputs), args.runs)
+
+
+def print_kernel_times(run, runs: int) -> None:
+    """Each CUDA kernel `run` launches, with its mean time per run (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            run()
+        torch.cuda.synchronize()
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.count:
+            print(f"{event.key[:60]:60s} {event.count // runs} a run, {event.device_time_total / runs:8.1f} us a run")
 
 
 if __name__ == "__main__":
