@@ -43,11 +43,11 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
 NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
 # Candidates of the dispatched form (`default_params` on this GPU) with a measurement switch of hopper.py.
-SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}}
+SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False}}
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:dflt' / 'fp8:evl' (the dispatched tile, `SWITCHES`) or a
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:dflt' / 'fp8:evl' / 'fp8:noevl' (the dispatched tile, `SWITCHES`) or a
     narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
     `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
     `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and

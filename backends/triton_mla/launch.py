@@ -628,10 +628,11 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                              override=hopper.STAGED_LOADERS)
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
+    writes_partials = grid[2] > 1  # more than one split: the outputs are partials the combine reads back
+    evict_last = writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST
     return hopper._mla_hopper_kernel[grid](
         *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
-        LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders,
-        PARTIAL_EVICT_LAST=hopper.PARTIAL_EVICT_LAST,
+        LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders, PARTIAL_EVICT_LAST=evict_last,
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
 

@@ -98,6 +98,38 @@ def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size):
     assert _spill_bytes(report) <= (384 if sparse else 64), report
 
 
+@pytest.mark.parametrize("rows,ksplit", [(64, False), (32, False), (64, True)])
+def test_split_partials_are_stored_with_an_l2_evict_last_hint(rows, ksplit):
+    # every form's epilogue: with PARTIAL_EVICT_LAST (launch sets it with more than one split) the output stores
+    # carry an evict-last cache policy, without it none does
+    from offline_compile import hopper_compile
+
+    hinted, _, _ = hopper_compile(kv="fp8", rows=rows, ksplit=ksplit, PARTIAL_EVICT_LAST=True)
+    plain, _, _ = hopper_compile(kv="fp8", rows=rows, ksplit=ksplit, PARTIAL_EVICT_LAST=False)
+    assert "createpolicy.fractional.L2::evict_last" in hinted and "L2::cache_hint" in hinted
+    assert "evict_last" not in plain and "L2::cache_hint" not in plain
+
+
+def test_launch_hints_the_partials_only_where_there_are_splits(monkeypatch):
+    import torch
+
+    from mla_tune.backends.triton_mla import hopper, launch
+
+    seen = []
+
+    class RecordingKernel:  # stands in for the Gluon kernel: records the split count and the hint (no GPU here)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid[2], kw["PARTIAL_EVICT_LAST"]))
+
+    monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
+    cuda_q = type("CudaTensor", (), {"is_cuda": True})()  # `_launch_hopper` refuses CPU tensors
+    kv = torch.empty(1, 64, 576, dtype=torch.bfloat16)
+    params = launch.LaunchParams(**launch._launch_fields(launch.HOPPER_TILE))
+    for splits in (1, 2, 8):
+        launch._launch_hopper((), (1, 1, splits), {"SPARSE": False}, q=cuda_q, kv_cache=kv, params=params)
+    assert seen == [(1, False), (2, True), (8, True)]
+
+
 def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
     from mla_tune.backends.triton_mla import LaunchParams
 
