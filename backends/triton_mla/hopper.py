@@ -291,9 +291,10 @@ def _lse(m_i, l_i):
 
 @gluon.jit
 def _store_out(ptrs, values, mask, EVICT_LAST: gl.constexpr):
-    """The epilogue's output store; `EVICT_LAST` (split partials): with an L2 evict-last hint, so that they are
-    still in L2 when the combine reads them (device call 114: 0.93-0.98 of the time where there are splits; on
-    the final output, one split, it cost up to 1.045x)."""
+    """The epilogue's output store; `EVICT_LAST` (split partials): with an L2 evict-last hint, meant to keep them
+    in L2 for the combine. Measured (device calls 114-115): 0.93-0.98 of the time where there are splits, up to
+    1.045x on final outputs (one split); a warm-L2 profile (call 119) showed the gain in this kernel, not in the
+    combine, for reasons not established."""
     if EVICT_LAST:
         gl.store(ptrs, values, mask=mask, eviction_policy="evict_last")
     else:
