@@ -27,7 +27,7 @@ from triton_dev import Case, check_and_time, fmt_line, log, measure_machine  # n
 
 from mla_tune.backends.problem import Problem, Shape  # noqa: E402
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
-from mla_tune.backends.triton_mla import hopper  # noqa: E402
+from mla_tune.backends.triton_mla import hopper, launch  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
 from mla_tune.backends.triton_mla.launch import (  # noqa: E402
     HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_params, packed_rows, params_from_tile, rows_bucket)
@@ -43,11 +43,13 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
 NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
 # Candidates of the dispatched form (`default_params` on this GPU) with a measurement switch of hopper.py.
-SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False}}
+SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False},
+            "cmb1": {"COMBINE_SPLITS_AT_ONCE": 1}, "cmb8": {"COMBINE_SPLITS_AT_ONCE": 8}}
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:dflt' / 'fp8:evl' / 'fp8:noevl' (the dispatched tile, `SWITCHES`) or a
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:dflt' / 'fp8:evl' / 'fp8:noevl' / 'fp8:cmb1' ... (the dispatched tile with a
+    measurement switch, `SWITCHES`) or a
     narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
     `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
     `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and
@@ -68,14 +70,15 @@ def candidate(spec: str):
 
 def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
     """`check_and_time` (or `debug_time` in a measurement mode) with hopper.py's measurement `switches` set."""
-    saved = {name: getattr(hopper, name) for name in switches}
+    modules = {name: hopper if hasattr(hopper, name) else launch for name in switches}  # hopper.py's or launch.py's
+    saved = {name: getattr(modules[name], name) for name in switches}
     for name, value in switches.items():
-        setattr(hopper, name, value)
+        setattr(modules[name], name, value)
     try:
         return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
     finally:
         for name, value in saved.items():
-            setattr(hopper, name, value)
+            setattr(modules[name], name, value)
 
 
 def debug_time(case, adapter, mode: str) -> dict:

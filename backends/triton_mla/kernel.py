@@ -380,8 +380,10 @@ def _mla_combine_kernel(
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt, stride_lh,
     num_heads, num_splits,
-    D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr,
+    D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = 1,
 ):
+    """One (query token, head) row: the softmax-weighted sum of its splits' partials, `SPLITS_AT_ONCE` splits'
+    partials loaded together (1: one split after the other)."""
     row = tl.program_id(0)  # q_len * heads
     b = tl.program_id(1).to(tl.int64)
     qi = row // num_heads
@@ -397,12 +399,14 @@ def _mla_combine_kernel(
     offs_c = tl.arange(0, D_LATENT)
     o_base = o_part_ptr + b * stride_pb + qi * stride_pt + h * stride_ph
     acc = tl.zeros([D_LATENT], dtype=tl.float32)
-    for s in range(num_splits):
-        lse_one = tl.load(lse_base + s * stride_qs)
-        weight = tl.exp(lse_one - m_safe) * inv_total
+    for s0 in range(0, num_splits, SPLITS_AT_ONCE):
+        offs = s0 + tl.arange(0, SPLITS_AT_ONCE)
+        lse_some = tl.load(lse_base + offs * stride_qs, mask=offs < num_splits, other=float("-inf"))
+        weight = tl.exp(lse_some - m_safe) * inv_total
         # empty splits (lse -inf) never wrote their partial: do not read it
-        written = tl.zeros([D_LATENT], dtype=tl.float32) + lse_one > float("-inf")
-        acc += weight * tl.load(o_base + s * stride_ps + offs_c, mask=written, other=0.0)
+        written = lse_some > float("-inf")
+        part = tl.load(o_base + offs[:, None] * stride_ps + offs_c[None, :], mask=written[:, None], other=0.0)
+        acc += tl.sum(weight[:, None] * part, 0)
     tl.store(out_ptr + b * stride_ob + qi * stride_ot + h * stride_oh + offs_c, acc)
     lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(lse_ptr + b * stride_lb + qi * stride_lt + h * stride_lh, lse)

@@ -334,6 +334,9 @@ SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 64, True
 SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True)),
                             ("16bit", 32): (16, (16, 32, 4, 3, True, 2, False, 128))}
 
+# The combine loads this many splits' partials of a row together (1: one after the other, as before round 32).
+COMBINE_SPLITS_AT_ONCE = 8
+
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
 # that the makespan model below otherwise ignores (0.02: measured in device call 6, see
@@ -612,7 +615,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             lse.stride(0), lse.stride(1), lse.stride(2),
             num_heads, splits,
             D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
+            SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), num_warps=4,
         )
     return compiled
 
