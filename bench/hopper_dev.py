@@ -2,8 +2,10 @@
 
 Same process, same inputs (uniform lengths, as in the official grid, unless --ragged), every output
 checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies, bench/triton_dev.py).
-Each candidate is `HOPPER_TILE` (optionally with another minimum split, or the narrow form), timed on BF16 or FP8 shapes; its splits come from the same split model as the
-shipped tiles (`params_from_tile` with the real lengths). Prints one line per (shape, kernel) and, per
+Each candidate (`candidate`) is a tile of the Hopper kernel (`HOPPER_TILE`, optionally with another minimum
+split; the k-split or narrow form; or the dispatched tile with measurement switches), timed on BF16 or FP8
+shapes; its splits come from the same split model as the shipped tiles (`params_from_tile` with the real
+lengths). Prints one line per (shape, kernel) and, per
 candidate, the geometric mean of its time over the tl tiles' and over the first candidate's of its KV kind,
 with the best and worst shape.
 
@@ -42,22 +44,24 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
 NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
-# Candidates of the dispatched form (`default_params` on this GPU) with a measurement switch of hopper.py.
+# Candidates of the dispatched tile (`default_params` on this GPU) with measurement switches of hopper.py or launch.py.
 SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False},
             "cmb1": {"COMBINE_SPLITS_AT_ONCE": 1}, "cmb8": {"COMBINE_SPLITS_AT_ONCE": 8}}
 
 
+DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU
+
+
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:dflt' / 'fp8:evl' / 'fp8:noevl' / 'fp8:cmb1' ... (the dispatched tile with a
-    measurement switch, `SWITCHES`) or a
-    narrow-form spec ('fp8:narrow', 'fp8:narrow1', ... keys of
-    `NARROW`) -> (KV kind it is timed on, rows bucket -> Tile or None, hopper.py switches for its runs):
-    `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form `HOPPER_KSPLIT_TILE` ('ks', 64 rows and
-    up), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with one staged
-    FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', a key of `SWITCHES` ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
+    `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is timed on, rows bucket -> Tile, DISPATCHED or None,
+    measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
+    `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
+    (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
+    one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
-    if rest in SWITCHES:  # the tile launch.default_params dispatches on this GPU
-        return kind, lambda bucket: "default", SWITCHES[rest]
+    if rest in SWITCHES:
+        return kind, lambda bucket: DISPATCHED, SWITCHES[rest]
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
@@ -69,7 +73,8 @@ def candidate(spec: str):
 
 
 def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
-    """`check_and_time` (or `debug_time` in a measurement mode) with hopper.py's measurement `switches` set."""
+    """`check_and_time` (or `debug_time` in a measurement mode) with the measurement `switches` (hopper.py's or,
+    where hopper.py has no such name, launch.py's) set."""
     modules = {name: hopper if hasattr(hopper, name) else launch for name in switches}  # hopper.py's or launch.py's
     saved = {name: getattr(modules[name], name) for name in switches}
     for name, value in switches.items():
@@ -139,20 +144,20 @@ def main():
         rows = packed_rows(heads, args.q_len, sparse=bool(topk))
         roof = case.roofline_us(bw, mm)
         adapter_cls = TritonMLASparse if topk else TritonMLA
+        def dispatched(cc_major):
+            return default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
+                                  num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths,
+                                  cc_major=cc_major)
+
         # the tl tiles as shipped before the Hopper kernel (cc_major None: no warp-specialised dispatch)
-        tl_params = default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
-                                   num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths,
-                                   cc_major=None)
-        base = check_and_time(case, adapter_cls(tl_params))
+        base = check_and_time(case, adapter_cls(dispatched(None)))
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
         for i, (ckind, tile_for, switches) in enumerate(cands):
             tile = tile_for(rows_bucket(rows))
             if ckind != kind or tile is None:
                 continue
-            if tile == "default":
-                params = default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
-                                        num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths,
-                                        cc_major=torch.cuda.get_device_capability()[0])
+            if tile == DISPATCHED:
+                params = dispatched(torch.cuda.get_device_capability()[0])
             else:
                 params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch,
                                           max_items=case.max_items, num_sms=sms, sparse=bool(topk),

@@ -626,18 +626,26 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
     from mla_tune.backends.triton_mla import hopper
 
-    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    loaders = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=common["SPARSE"],
-                             override=hopper.STAGED_LOADERS)
+    form = hopper_form(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
+                       splits=grid[2])
+    return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
+                                           maxnreg=HOPPER_MAXNREG)
+
+
+def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
+    """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
+    switches applied): what `_launch_hopper` launches and the offline compile tests build."""
+    from mla_tune.backends.triton_mla import hopper
+
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
-    writes_partials = grid[2] > 1  # more than one split: the outputs are partials the combine reads back
-    evict_last = writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST
-    return hopper._mla_hopper_kernel[grid](
-        *args, **common, STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h,
-        LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE, STAGED_LOADERS=loaders, PARTIAL_EVICT_LAST=evict_last,
-        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
-        num_warps=params.num_warps, maxnreg=HOPPER_MAXNREG)
+    writes_partials = splits > 1  # the outputs are partials the combine reads back
+    return dict(
+        STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
+        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse,
+                                      override=hopper.STAGED_LOADERS),
+        PARTIAL_EVICT_LAST=writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST,
+        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:

@@ -60,7 +60,7 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    ksplit: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`ksplit`: the k-split wide form, as `launch._launch_hopper` runs it)."""
+    (`ksplit`: the k-split wide form), with the constexprs `launch.hopper_form` gives a one-split launch."""
     import subprocess
     import tempfile
 
@@ -69,23 +69,20 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launch import (
-        HOPPER_KSPLIT_SHAPE, HOPPER_LOAD_REGS, HOPPER_MAXNREG, HOPPER_SHAPES, ksplit_mma_regs, staged_loaders)
+        HOPPER_KSPLIT_TILE, HOPPER_MAXNREG, HOPPER_TILES, LaunchParams, _launch_fields, hopper_form)
 
     fp8 = kv == "fp8"
-    _, block_n, num_warps, stages = HOPPER_KSPLIT_SHAPE if ksplit else HOPPER_SHAPES[rows]
+    params = LaunchParams(**_launch_fields(HOPPER_KSPLIT_TILE if ksplit else HOPPER_TILES[rows]))
     const = _constexpr_defaults(_mla_hopper_kernel)
-    load_regs = HOPPER_LOAD_REGS["fp8" if fp8 else "16bit"]
-    const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
-                 SPARSE=sparse, KV_FP8=fp8, KV_SCALE_IS_PTR=False, LOAD_REGS=load_regs, N_ROWS=rows,
-                 STAGED_LOADERS=staged_loaders(kv_fp8=fp8, rows=rows, sparse=sparse), KSPLIT=ksplit,
-                 MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0)
+    const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
+                 **hopper_form(params, kv_fp8=fp8, sparse=sparse, splits=1))
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "maxnreg": HOPPER_MAXNREG})
+                              options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
     ptx = compiled.asm["ptx"]
     ptxas = triton.backends.nvidia.__path__[0] + "/bin/ptxas"
     with tempfile.TemporaryDirectory() as tmp:
