@@ -116,17 +116,21 @@ def test_launch_hints_the_partials_only_where_there_are_splits(monkeypatch):
     from mla_tune.backends.triton_mla import hopper, launch
 
     seen = []
+    kernel_params = set(hopper._mla_hopper_kernel.arg_names) | {"num_warps", "maxnreg"}
 
     class RecordingKernel:  # stands in for the Gluon kernel: records the split count and the hint (no GPU here)
         def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append((grid[2], kw["PARTIAL_EVICT_LAST"]))
+            def launch_(*args, **kw):
+                assert set(kw) <= kernel_params, set(kw) - kernel_params  # every keyword is one the kernel takes
+                seen.append((grid[2], kw["PARTIAL_EVICT_LAST"]))
+            return launch_
 
     monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
     cuda_q = type("CudaTensor", (), {"is_cuda": True})()  # `_launch_hopper` refuses CPU tensors
     kv = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     params = launch.LaunchParams(**launch._launch_fields(launch.HOPPER_TILE))
     for splits in (1, 2, 8):
-        launch._launch_hopper((), (1, 1, splits), {"SPARSE": False}, q=cuda_q, kv_cache=kv, params=params)
+        launch._launch_hopper((), (1, 1, splits), {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params)
     assert seen == [(1, False), (2, True), (8, True)]
 
 
