@@ -68,6 +68,10 @@ STAGED_LOADERS = None
 # Measurement only (bench/hopper_dev.py): True / False forces the L2 evict-last hint of the epilogue's output stores
 # on / off. None in production: `launch` turns it on where the outputs are split partials (more than one split).
 PARTIAL_EVICT_LAST = None
+# Measurement only (bench/hopper_dev.py): True / False forces who fills the query's shared memory: the MMA warps once
+# the partitions run, while the loader already streams the first KV tiles (True), or every warp before the partitions
+# start (False). None in production: `launch.HOPPER_QUERY_IN_CONSUMER`.
+QUERY_IN_CONSUMER = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -95,6 +99,30 @@ def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: g
         h = r % num_heads
         ok = r < Q_LEN * num_heads
     return qi, h, ok
+
+
+@gluon.jit
+def _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale,
+                 Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
+                 WARPS: gl.constexpr, COL0: gl.constexpr = 0, N_COLS: gl.constexpr = 512, ROPE: gl.constexpr = True):
+    """Latent columns `COL0 .. COL0 + N_COLS - 1` (and, with `ROPE`, the 64 rope columns) of the query's rows into
+    `q_lat` / `q_rope` (FP8: scaled by `q_scale`, then rounded to fp16), by `WARPS` warps: every load is issued
+    before the first store, so the round trips overlap. Fenced for wgmma."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, layout), Q_LEN, SPARSE, N_ROWS)
+    q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
+    lat = gl.load(q_row[:, None] + COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, layout))[None, :],
+                  mask=row_ok[:, None], other=0.0)
+    if ROPE:
+        rope = gl.load(q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :],
+                       mask=row_ok[:, None], other=0.0)
+        if KV_FP8:
+            rope = (rope.to(gl.float32) * q_scale).to(gl.float16)
+        q_rope.store(rope)
+    if KV_FP8:
+        lat = (lat.to(gl.float32) * q_scale).to(gl.float16)
+    q_lat.slice(COL0, N_COLS, dim=1).store(lat)
+    fence_async_shared()
 
 
 @gluon.jit
@@ -306,13 +334,18 @@ def _store_out(ptrs, values, mask, EVICT_LAST: gl.constexpr):
 def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
+                   q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                   DEBUG: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                   DEBUG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
+                   EVICT_LAST: gl.constexpr = False):
     """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
     the 512 output columns (m64n256).
     """
+    if QUERY_IN_CONSUMER:
+        _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                     SPARSE, ROWS, KV_FP8, 8)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -380,14 +413,19 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
 def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                           pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                           stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
+                          q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
-                          SPARSE: gl.constexpr, DEBUG: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                          SPARSE: gl.constexpr, DEBUG: gl.constexpr, KV_FP8: gl.constexpr,
+                          QUERY_IN_CONSUMER: gl.constexpr, EVICT_LAST: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
     in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
     MMA (the wide kernel's form); here each MMA does only the rows there are, and the softmax (over the
     tokens, dim 0) needs no exchange with another warpgroup.
     """
+    if QUERY_IN_CONSUMER:
+        _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                     SPARSE, N_ROWS, KV_FP8, 4)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, N_ROWS, 16])
     toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -446,8 +484,10 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
 def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
                       o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                       qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                      stride_lt, stride_lh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
-                      SPARSE: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                      stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
+                      DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
+                      EVICT_LAST: gl.constexpr = False):
     """One of the k-split wide form's two MMA warpgroups (`KSPLIT`: a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`).
 
     Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
@@ -460,6 +500,13 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
     on them, and multiplies its p, kept in registers, by its 256 of the 512 value columns. One exchange a
     tile; no row max or p crosses between the warpgroups.
     """
+    if QUERY_IN_CONSUMER:  # each warpgroup the query columns it scores
+        if WG == 0:
+            _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                         SPARSE, ROWS, KV_FP8, 4, 0, 256, True)
+        else:
+            _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                         SPARSE, ROWS, KV_FP8, 4, 256, 256, False)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -550,6 +597,7 @@ def _mla_hopper_kernel(
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
+    QUERY_IN_CONSUMER: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -573,24 +621,15 @@ def _mla_hopper_kernel(
     if KV_FP8:
         qk_scale = qk_scale / q_scale  # the query was scaled by q_scale before its fp16 rounding
 
-    # The query into shared memory, once (FP8: scaled by q_scale, then rounded to fp16).
+    # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
+    # partitions start or (QUERY_IN_CONSUMER) by the MMA warps themselves, while the loader already streams KV tiles.
     mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
     q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, q_layout), Q_LEN, SPARSE, N_ROWS)
-    q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
-    for c in gl.static_range(9):
-        qc = gl.load(q_row[:, None] + c * 64 + cols[None, :], mask=row_ok[:, None], other=0.0)
-        if KV_FP8:
-            qc = (qc.to(gl.float32) * q_scale).to(gl.float16)
-        if c < 8:
-            q_lat.slice(c * 64, 64, dim=1).store(qc)
-        else:
-            q_rope.store(qc)
-    fence_async_shared()
+    if not QUERY_IN_CONSUMER:
+        _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                     SPARSE, N_ROWS, KV_FP8, gl.num_warps())
 
     k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
     k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
@@ -614,8 +653,9 @@ def _mla_hopper_kernel(
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
-                                     DEBUG, PARTIAL_EVICT_LAST)),
+                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
+                                     PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
@@ -628,8 +668,9 @@ def _mla_hopper_kernel(
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
-                                     DEBUG, PARTIAL_EVICT_LAST)),
+                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
+                                     PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG))],
@@ -639,8 +680,9 @@ def _mla_hopper_kernel(
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE,
-                                     DEBUG, PARTIAL_EVICT_LAST)),
+                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
+                                     PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 2)),
@@ -662,12 +704,14 @@ def _mla_hopper_kernel(
             (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
                                  o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
                                  store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                 stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0,
+                                 stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                 BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
                                  PARTIAL_EVICT_LAST)),
             (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
                                  o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
                                  store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                 stride_ls, stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1,
+                                 stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                 BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
                                  PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
@@ -678,7 +722,8 @@ def _mla_hopper_kernel(
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                              stride_lt, stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, PARTIAL_EVICT_LAST)),
+                              stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, BLOCK_N,
+                              STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG))],

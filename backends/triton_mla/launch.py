@@ -632,6 +632,11 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                                            maxnreg=HOPPER_MAXNREG)
 
 
+# The Hopper kernel's MMA warps fill the query's shared memory themselves, so the loader starts streaming KV tiles at
+# once instead of after the query is in (round 33).
+HOPPER_QUERY_IN_CONSUMER = True
+
+
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
     """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
     switches applied): what `_launch_hopper` launches and the offline compile tests build."""
@@ -645,7 +650,8 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse,
                                       override=hopper.STAGED_LOADERS),
         PARTIAL_EVICT_LAST=writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST,
-        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0)
+        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
+        QUERY_IN_CONSUMER=HOPPER_QUERY_IN_CONSUMER if hopper.QUERY_IN_CONSUMER is None else hopper.QUERY_IN_CONSUMER)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
