@@ -70,7 +70,7 @@ STAGED_LOADERS = None
 PARTIAL_EVICT_LAST = None
 # Measurement only (bench/hopper_dev.py): True / False forces who fills the query's shared memory: the MMA warps once
 # the partitions run, while the loader already streams the first KV tiles (True), or every warp before the partitions
-# start (False). None in production: `launch.HOPPER_QUERY_IN_CONSUMER`.
+# start (False). None in production: by form, `launch.QUERY_BEFORE_PARTITIONS`.
 QUERY_IN_CONSUMER = None
 
 

@@ -632,9 +632,14 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                                            maxnreg=HOPPER_MAXNREG)
 
 
-# The Hopper kernel's MMA warps fill the query's shared memory themselves, so the loader starts streaming KV tiles at
-# once instead of after the query is in (round 33).
-HOPPER_QUERY_IN_CONSUMER = True
+# Forms of the Hopper kernel (form, KV kind, dense / sparse) whose query every warp loads before the partitions start;
+# in the others the MMA warps load it themselves, so the loader streams KV tiles from the start (round 33, H100 device
+# call 122, same-process A/B: 0.91-0.99 of the time with 1-16 tiles a program, 0.97-1.00 with more). Kept before: the
+# FP8 dense wide form, which ran 1.02-1.22x slower with 8-256 tiles a program though its MMA warps alone and its loader
+# alone ran as fast either way (call 123, H200; why is not established), and the k-split form (1.02-1.03x at batch
+# 64-128).
+QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"), ("ksplit", "fp8", "dense"),
+                           ("ksplit", "16bit", "sparse"), ("ksplit", "fp8", "sparse")}
 
 
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
@@ -645,13 +650,16 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
+    form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
+            "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse,
                                       override=hopper.STAGED_LOADERS),
         PARTIAL_EVICT_LAST=writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST,
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
-        QUERY_IN_CONSUMER=HOPPER_QUERY_IN_CONSUMER if hopper.QUERY_IN_CONSUMER is None else hopper.QUERY_IN_CONSUMER)
+        QUERY_IN_CONSUMER=(form not in QUERY_BEFORE_PARTITIONS) if hopper.QUERY_IN_CONSUMER is None
+        else hopper.QUERY_IN_CONSUMER)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:

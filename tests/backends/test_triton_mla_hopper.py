@@ -201,6 +201,41 @@ def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, ho
         assert params.block_h == hopper, params
 
 
+@pytest.mark.parametrize("kv,rows,sparse,ksplit", [
+    ("bf16", 64, False, False), ("fp8", 64, False, False), ("fp8", 16, False, False), ("bf16", 32, True, False),
+    ("bf16", 64, False, True)])
+def test_the_query_is_loaded_before_the_partitions_or_by_the_mma_warps(kv, rows, sparse, ksplit):
+    # Code before `warp_specialize` runs on the MMA warps while the loader waits at the partitions' start (PTX
+    # `barrier.sync 1`): with QUERY_IN_CONSUMER no query load is left there, so the loader's first copies do not wait
+    # for the query; both ways compile without more spills
+    from offline_compile import hopper_compile
+
+    def query_loads_before_partitions(ptx):
+        return len(re.findall(r"ld\.global\.v4", ptx.split("barrier.sync \t1;")[0]))
+
+    kw = dict(kv=kv, rows=rows, sparse=sparse, page_size=1 if sparse else 64, ksplit=ksplit)
+    before, _, report_before = hopper_compile(**kw, QUERY_IN_CONSUMER=False)
+    inside, _, report_inside = hopper_compile(**kw, QUERY_IN_CONSUMER=True)
+    assert query_loads_before_partitions(before) > 0 and query_loads_before_partitions(inside) == 0
+    assert _spill_bytes(report_inside) <= _spill_bytes(report_before), (report_before, report_inside)
+
+
+@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,inside", [
+    (16, True, False, 64, True), (32, False, True, 64, True),   # narrow forms
+    (64, False, False, 64, True), (64, True, True, 64, True),   # wide: BF16, sparse FP8
+    (64, True, False, 64, False),                               # wide FP8 dense: 1.02-1.22x slower inside
+    (128, False, False, 128, False),                            # the k-split form
+])
+def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, inside):
+    from mla_tune.backends.triton_mla.launch import default_params, hopper_form
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
+                            cc_major=9, num_sms=132, lengths=[4096] * batch)
+    assert params.warp_specialized, params
+    form = hopper_form(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)
+    assert form["QUERY_IN_CONSUMER"] is inside, (params.label(), form)
+
+
 @pytest.mark.parametrize("heads,q_len,batch,kv_fp8,sparse,ksplit", [
     (128, 1, 16, False, False, True),   # BF16 128 heads from batch 16: 0.95 / 0.94 (uniform, H100 / H200), 0.99 ragged
     (128, 1, 128, False, False, True),  # ... 0.91 / 0.93 uniform, 0.93 ragged at batch 128
