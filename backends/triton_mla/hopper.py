@@ -331,6 +331,28 @@ def _store_out(ptrs, values, mask, EVICT_LAST: gl.constexpr):
 
 
 @gluon.jit
+def _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
+              stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout: gl.constexpr,
+              rows_m: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr, EVICT_LAST: gl.constexpr,
+              COL0: gl.constexpr, N_COLS: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """The wide forms' epilogue (the program's rows on M): output columns `COL0 .. COL0 + N_COLS - 1` of `acc` (in
+    `o_layout`) normalised by the row sums (the partial or final output) and, with `WRITE_LSE`, the LSE from the
+    base-2 running max `m_i` (in `rows_m`); `l_i` in any row layout."""
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
+    cols_o = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, o_layout))
+    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
+    inv_l = _inv_sums(gl.convert_layout(l_i, rows_o), out_scale)
+    _store_out(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
+               (ok_o & store_o)[:, None] & (cols_o[None, :] < 512), EVICT_LAST)
+    if WRITE_LSE:
+        qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_m, Q_LEN, SPARSE)
+        lse = _lse(m_i, gl.convert_layout(l_i, rows_m))
+        gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
+                 lse, mask=ok_l)
+
+
+@gluon.jit
 def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                    pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale, out_scale,
                    stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh,
@@ -394,19 +416,9 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
 
-    # Epilogue: the partial (or final) output and the LSE.
-    qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
-    cols_o = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
-    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
-    l_o = gl.convert_layout(l_i, rows_o)
-    inv_l = _inv_sums(l_o, out_scale)
-    _store_out(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
-               (ok_o & store_o)[:, None] & (cols_o[None, :] < 512), EVICT_LAST)
-    qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
-    l_i = gl.convert_layout(l_i, rows_s)
-    lse = _lse(m_i, l_i)
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
-             lse, mask=ok_l)
+    _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
+              stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN, SPARSE,
+              EVICT_LAST, 0, 512, True)
 
 
 @gluon.jit
@@ -567,18 +579,10 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
 
-    # Epilogue: this warpgroup's 256 output columns; warpgroup 0 writes the LSE (both hold the same m, l).
-    qi_o, h_o, ok_o = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE)
-    cols_o = WG * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
-    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
-    inv_l = _inv_sums(gl.convert_layout(l_i, rows_o), out_scale)
-    _store_out(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
-               (ok_o & store_o)[:, None] & (cols_o[None, :] < 512), EVICT_LAST)
-    if WG == 0:
-        qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
-        lse = _lse(m_i, l_i)
-        gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi_l * stride_lt + h_l * stride_lh,
-                 lse, mask=ok_l)
+    # this warpgroup's 256 output columns; warpgroup 0 writes the LSE (both hold the same m, l)
+    _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
+              stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN, SPARSE,
+              EVICT_LAST, WG * 256, 256, WG == 0)
 
 
 @gluon.jit
