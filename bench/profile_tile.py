@@ -25,9 +25,15 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bf16")
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--query-in-consumer", type=int, choices=(0, 1), default=None,
+                    help="force hopper.QUERY_IN_CONSUMER (1: the MMA warps load the query, 0: every warp before the "
+                         "partitions); default: the launch's choice by form")
     ap.add_argument("--kernel-times", action="store_true",
                     help="print each kernel's mean CUDA time over --runs runs (PyTorch profiler, warm L2)")
     args = ap.parse_args()
+    if args.query_in_consumer is not None:
+        from mla_tune.backends.triton_mla import hopper
+        hopper.QUERY_IN_CONSUMER = bool(args.query_in_consumer)
     problem = Problem(args.heads, args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=1, ragged=False)
     prepared = (TritonMLASparse if args.topk else TritonMLA)().prepare(problem, inputs)
