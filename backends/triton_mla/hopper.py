@@ -38,6 +38,12 @@ A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_le
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
 it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`.
 
+The query: code before `gl.warp_specialize` runs on the MMA warps while the loader waits, so with `QUERY_IN_CONSUMER`
+each MMA partition loads the query into shared memory itself (`_store_query`) and the loader streams KV tiles from
+the start: 0.93-0.99 of the time with short programs (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
+for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
+122-130) and the k-split form.
+
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring,
 216 KiB for two 64-token slots (`hopper_smem_bytes`); one program per SM. Slots of 32 tokens would leave
 room for more of them, but the score wgmma reads the query from shared memory at each of its 36 k-steps
