@@ -40,7 +40,7 @@ it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`
 
 The query: code before `gl.warp_specialize` runs on the MMA warps while the loader waits, so with `QUERY_IN_CONSUMER`
 each MMA partition loads the query into shared memory itself (`_store_query`) and the loader streams KV tiles from
-the start: 0.93-0.99 of the time with short programs (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
+the start: 0.91-0.99 of the time with short programs (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
 for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
 122-130) and the k-split form.
 
