@@ -78,10 +78,6 @@ PARTIAL_EVICT_LAST = None
 # the partitions run, while the loader already streams the first KV tiles (True), or every warp before the partitions
 # start (False). None in production: by form, `launch.QUERY_BEFORE_PARTITIONS`.
 QUERY_IN_CONSUMER = None
-# Measurement only (bench/hopper_dev.py): True / False forces how the narrow form's FP8 staging ring is laid out: whole
-# rows, one `cp.async` op for a half tile's latent and one for its rope (True), or nine 64-column chunks (False). None in
-# production: `launch.HOPPER_STAGE_WHOLE_ROWS`.
-STAGE_WHOLE_ROWS = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -268,43 +264,27 @@ def _stage_half(stage, half: gl.constexpr, row, ok, cols):
 
 
 @gluon.jit
-def _stage_rows(stage, stage_rope, half: gl.constexpr, row, ok, cols_lat, cols_rope):
-    """`cp.async` of one half tile's e4m3 rows (zeros where invalid) into staging half `half`: the 512 latent bytes of
-    a row into `stage`, its 64 rope bytes into `stage_rope`, as one commit group. Two copy ops instead of nine, so
-    Triton's barrier pass (which cannot tell the chunks of one buffer apart) puts no barrier between chunks."""
-    async_copy.async_copy_global_to_shared(stage.index(half), row[:, None] + cols_lat[None, :], mask=ok[:, None])
-    async_copy.async_copy_global_to_shared(stage_rope.index(half), 512 + row[:, None] + cols_rope[None, :],
-                                           mask=ok[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                           k_lat, k_rope, stage, stage_rope, full_bars, empty_bars,
+                           k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, WHOLE_ROWS: gl.constexpr,
-                           FIRST_HALF: gl.constexpr = 0, N_HALVES: gl.constexpr = 2):
+                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
     (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
     e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
     the casts, so the HBM reads do not wait for a free slot (the register-staged loader has one tile in
     flight at a time). Per half: wait for its copies, load the bytes (each thread reads back the bytes it
     copied, so no barrier between the loader's threads), cast them to fp16, refill the staging half with the
-    half one tile on, store the fp16 values into the slot. `WHOLE_ROWS`: the ring holds whole rows (`_stage_rows`,
-    `stage` the latent bytes, `stage_rope` the rope), else nine 64-column chunks a half (`_stage_half`, `stage` only).
+    half one tile on, store the fp16 values into the slot.
     """
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     HALF: gl.constexpr = BLOCK_N // 2
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    cols_lat = gl.arange(0, 512, layout=gl.SliceLayout(0, layout))
     for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
         row, ok = _tile_rows(start + j * HALF, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
                              layout, HALF, PAGE_SIZE, SPARSE)
         if DEBUG != 2:
-            if WHOLE_ROWS:
-                _stage_rows(stage, stage_rope, j, row, ok, cols_lat, cols)
-            else:
-                _stage_half(stage, j, row, ok, cols)
+            _stage_half(stage, j, row, ok, cols)
     for t in range(n_tiles):
         slot = t % STAGES
         mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
@@ -314,17 +294,10 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                                  stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
             if DEBUG != 2:
                 async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
-                if WHOLE_ROWS:
-                    lat = stage.index(j).load(layout).to(gl.float16)
-                    rope = stage_rope.index(j).load(layout).to(gl.float16)
-                    _stage_rows(stage, stage_rope, j, row, ok, cols_lat, cols)  # after the casts used the bytes
-                    k_lat.index(slot).slice(j * HALF, HALF, dim=0).store(lat)
-                    k_rope.index(slot).slice(j * HALF, HALF, dim=0).store(rope)
-                else:
-                    xs = _cast_chunks(_staged_chunks(stage, j, layout))
-                    _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
-                    _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
-                                  k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
+                xs = _cast_chunks(_staged_chunks(stage, j, layout))
+                _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
+                _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
+                              k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
         fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
     async_copy.wait_group(0)  # the copies past the end (zero-filled, no reads) before the program exits
@@ -634,7 +607,7 @@ def _mla_hopper_kernel(
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
-    QUERY_IN_CONSUMER: gl.constexpr = False, STAGE_WHOLE_ROWS: gl.constexpr = False,
+    QUERY_IN_CONSUMER: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -682,15 +655,8 @@ def _mla_hopper_kernel(
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
         if KV_FP8:
-            if STAGE_WHOLE_ROWS:
-                stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N // 2, 512],
-                                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-                stage_rope = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N // 2, 64],
-                                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            else:
-                stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
-                                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-                stage_rope = stage
+            stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
@@ -701,11 +667,11 @@ def _mla_hopper_kernel(
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
                                      PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, k_lat, k_rope, stage, stage_rope, full_bars, empty_bars, BLOCK_N,
-                                      STAGES, PAGE_SIZE, SPARSE, DEBUG, STAGE_WHOLE_ROWS, 0, 1)),
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, k_lat, k_rope, stage, stage_rope, full_bars, empty_bars, BLOCK_N,
-                                      STAGES, PAGE_SIZE, SPARSE, DEBUG, STAGE_WHOLE_ROWS, 1, 1))],
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -716,8 +682,8 @@ def _mla_hopper_kernel(
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
                                      PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, k_lat, k_rope, stage, stage_rope, full_bars, empty_bars, BLOCK_N,
-                                      STAGES, PAGE_SIZE, SPARSE, DEBUG, STAGE_WHOLE_ROWS))],
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([

@@ -642,10 +642,6 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
                            ("ksplit", "16bit", "sparse"), ("ksplit", "fp8", "sparse")}
 
 
-# The narrow form's FP8 staging ring holds whole rows (two copy ops a half tile, no barriers between chunks; round 34).
-HOPPER_STAGE_WHOLE_ROWS = True
-
-
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
     """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
     switches applied): what `_launch_hopper` launches and the offline compile tests build."""
@@ -663,8 +659,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         PARTIAL_EVICT_LAST=writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST,
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=(form not in QUERY_BEFORE_PARTITIONS) if hopper.QUERY_IN_CONSUMER is None
-        else hopper.QUERY_IN_CONSUMER,
-        STAGE_WHOLE_ROWS=HOPPER_STAGE_WHOLE_ROWS if hopper.STAGE_WHOLE_ROWS is None else hopper.STAGE_WHOLE_ROWS)
+        else hopper.QUERY_IN_CONSUMER)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
