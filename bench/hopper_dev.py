@@ -47,7 +47,9 @@ NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LO
 # Candidates of the dispatched tile (`default_params` on this GPU) with measurement switches of hopper.py or launch.py.
 SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False},
             "cmb1": {"COMBINE_SPLITS_AT_ONCE": 1}, "cmb8": {"COMBINE_SPLITS_AT_ONCE": 8},
-            "qk": {"QUERY_IN_CONSUMER": False}, "qc": {"QUERY_IN_CONSUMER": True}}
+            "qk": {"QUERY_IN_CONSUMER": False}, "qc": {"QUERY_IN_CONSUMER": True},
+            "pf0": {"L2_PREFETCH": False}, "pf1": {"L2_PREFETCH": True},
+            "pf1qc": {"L2_PREFETCH": True, "QUERY_IN_CONSUMER": True}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU

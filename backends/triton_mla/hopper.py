@@ -78,6 +78,10 @@ PARTIAL_EVICT_LAST = None
 # the partitions run, while the loader already streams the first KV tiles (True), or every warp before the partitions
 # start (False). None in production: by form, `launch.QUERY_BEFORE_PARTITIONS`.
 QUERY_IN_CONSUMER = None
+# Measurement only (bench/hopper_dev.py): True / False forces whether the FP8 register loader asks the L2 for the next
+# tile's lines (`prefetch.global.L2`, one instruction a 128-byte line) before it waits for a free slot. None in
+# production: `launch.HOPPER_L2_PREFETCH`.
+L2_PREFETCH = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -207,10 +211,24 @@ def _store_chunks(dst_lat, dst_rope, xs):
 
 
 @gluon.jit
+def _prefetch_rows(row, ok, kv_ptr, BLOCK_N: gl.constexpr):
+    """Ask the L2 for every 128-byte line of a tile's FP8 rows (576 bytes each: the lines at offsets 0, 128, 256, 384,
+    512 and 575 cover them), `prefetch.global.L2`: no registers, nothing to wait for. Invalid rows ask for the cache's
+    first line. `row` / `ok` in the register loader's row layout."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, 575)
+    base = gl.where(gl.convert_layout(ok, rows), gl.convert_layout(row, rows), kv_ptr)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base[:, None] + offs[None, :]],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
+                    KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
+                    PREFETCH: gl.constexpr = False):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -251,6 +269,9 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
         row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                              stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        if PREFETCH and KV_FP8 and DEBUG != 2:
+            if t + STRIDE < n_tiles:
+                _prefetch_rows(row, ok, kv_ptr, BLOCK_N)  # the next tile's lines, while this loader waits for a slot
 
 
 @gluon.jit
@@ -607,7 +628,7 @@ def _mla_hopper_kernel(
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
-    QUERY_IN_CONSUMER: gl.constexpr = False,
+    QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -725,7 +746,7 @@ def _mla_hopper_kernel(
                                  PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG))],
+                               DEBUG, 0, 1, L2_PREFETCH))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -736,5 +757,5 @@ def _mla_hopper_kernel(
                               STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG))],
+                               DEBUG, 0, 1, L2_PREFETCH))],
             [LOAD_WARPS], [LOAD_REGS])

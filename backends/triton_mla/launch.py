@@ -642,6 +642,10 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
                            ("ksplit", "16bit", "sparse"), ("ksplit", "fp8", "sparse")}
 
 
+# The wide forms' FP8 register loader asks the L2 for the next tile's lines before it waits for a slot (round 35).
+HOPPER_L2_PREFETCH = False
+
+
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
     """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
     switches applied): what `_launch_hopper` launches and the offline compile tests build."""
@@ -659,7 +663,8 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         PARTIAL_EVICT_LAST=writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST,
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=(form not in QUERY_BEFORE_PARTITIONS) if hopper.QUERY_IN_CONSUMER is None
-        else hopper.QUERY_IN_CONSUMER)
+        else hopper.QUERY_IN_CONSUMER,
+        L2_PREFETCH=HOPPER_L2_PREFETCH if hopper.L2_PREFETCH is None else hopper.L2_PREFETCH)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
