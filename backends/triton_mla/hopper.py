@@ -80,7 +80,7 @@ PARTIAL_EVICT_LAST = None
 QUERY_IN_CONSUMER = None
 # Measurement only (bench/hopper_dev.py): True / False forces whether the FP8 register loader asks the L2 for the next
 # tile's lines (`prefetch.global.L2`, one instruction a 128-byte line) before it waits for a free slot. None in
-# production: `launch.HOPPER_L2_PREFETCH`.
+# production: by form, `launch.L2_PREFETCH_FORMS`.
 L2_PREFETCH = None
 
 

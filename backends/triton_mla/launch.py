@@ -642,8 +642,12 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
                            ("ksplit", "16bit", "sparse"), ("ksplit", "fp8", "sparse")}
 
 
-# The wide forms' FP8 register loader asks the L2 for the next tile's lines before it waits for a slot (round 35).
-HOPPER_L2_PREFETCH = False
+# Forms (as in QUERY_BEFORE_PARTITIONS) whose FP8 register loader asks the L2 for the next tile's lines before it waits
+# for a slot (round 35, H100 device call 132, same-process A/B): sparse wide 0.89-0.92 of the time at batch 64-128,
+# 0.97-1.01 at batch 4. Not the dense wide form: its loader alone took 0.83-0.89, but the kernel 1.04-1.09x longer at
+# 64 heads batch 64-128 and 1.01-1.04x at 128 heads batch 4-64 (0.94 at batch 128 kv 16k, 0.96-0.97 at 64 heads batch
+# 4-16): as with round 33, a faster loader there does not make a faster kernel.
+L2_PREFETCH_FORMS = {("wide", "fp8", "sparse")}
 
 
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
@@ -664,7 +668,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=(form not in QUERY_BEFORE_PARTITIONS) if hopper.QUERY_IN_CONSUMER is None
         else hopper.QUERY_IN_CONSUMER,
-        L2_PREFETCH=HOPPER_L2_PREFETCH if hopper.L2_PREFETCH is None else hopper.L2_PREFETCH)
+        L2_PREFETCH=(form in L2_PREFETCH_FORMS) if hopper.L2_PREFETCH is None else hopper.L2_PREFETCH)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:

@@ -236,6 +236,34 @@ def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, 
     assert form["QUERY_IN_CONSUMER"] is inside, (params.label(), form)
 
 
+@pytest.mark.parametrize("kv,sparse,ksplit,prefetches", [
+    ("fp8", True, False, True), ("fp8", False, False, True), ("fp8", False, True, True), ("bf16", False, False, False)])
+def test_the_fp8_register_loader_can_prefetch_the_next_tile_into_l2(kv, sparse, ksplit, prefetches):
+    # With L2_PREFETCH the wide forms' FP8 register loader issues prefetch.global.L2 for the next tile's lines (four a
+    # thread: two rows, two of the offsets 0-575), without it none; 16-bit caches copy with cp.async and never prefetch
+    from offline_compile import hopper_compile
+
+    kw = dict(kv=kv, sparse=sparse, page_size=1 if sparse else 64, ksplit=ksplit)
+    on, _, report_on = hopper_compile(**kw, L2_PREFETCH=True)
+    off, _, report_off = hopper_compile(**kw, L2_PREFETCH=False)
+    assert len(re.findall(r"prefetch\.global\.L2", on)) == (4 if prefetches else 0)
+    assert "prefetch.global.L2" not in off
+    assert _spill_bytes(report_on) <= _spill_bytes(report_off) + 16, (report_off, report_on)
+
+
+@pytest.mark.parametrize("heads,kv_fp8,sparse,prefetch", [
+    (64, True, True, True), (128, True, True, True),     # sparse wide FP8: 0.89-0.92 at batch 64-128
+    (64, True, False, False), (16, True, True, False),   # dense wide FP8 (slower), the narrow form (staged loader)
+    (64, False, True, False)])                           # BF16 (cp.async)
+def test_launch_prefetches_into_l2_by_form(heads, kv_fp8, sparse, prefetch):
+    from mla_tune.backends.triton_mla.launch import default_params, hopper_form
+
+    params = default_params(num_heads=heads, q_len=1, batch=64, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
+                            cc_major=9, num_sms=132, lengths=[4096] * 64)
+    assert params.warp_specialized, params
+    assert hopper_form(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)["L2_PREFETCH"] is prefetch
+
+
 @pytest.mark.parametrize("heads,q_len,batch,kv_fp8,sparse,ksplit", [
     (128, 1, 16, False, False, True),   # BF16 128 heads from batch 16: 0.95 / 0.94 (uniform, H100 / H200), 0.99 ragged
     (128, 1, 128, False, False, True),  # ... 0.91 / 0.93 uniform, 0.93 ragged at batch 128
