@@ -240,7 +240,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     cast to fp16 and stored while the MMA warps work on the other slot. (Loading an FP8 tile ahead and
     carrying the bytes across the loop makes LLVM keep every byte in a register of its own: 4.5 KB of
     spills. Carried as 32-bit words it did not spill, but ran 1.7% slower, up to 11% at 64 heads: device
-    call 48, bench/TRITON_NOTES.md round 16.)
+    call 48, bench/TRITON_NOTES.md round 16.) With `PREFETCH` (FP8, the forms in `launch.L2_PREFETCH_FORMS`) it asks
+    the L2 for the next tile's lines (`_prefetch_rows`) before it waits for that tile's slot (round 35).
     """
     if KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
