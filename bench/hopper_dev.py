@@ -49,7 +49,9 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cmb1": {"COMBINE_SPLITS_AT_ONCE": 1}, "cmb8": {"COMBINE_SPLITS_AT_ONCE": 8},
             "qk": {"QUERY_IN_CONSUMER": False}, "qc": {"QUERY_IN_CONSUMER": True},
             "pf0": {"L2_PREFETCH": False}, "pf1": {"L2_PREFETCH": True},
-            "pf1qc": {"L2_PREFETCH": True, "QUERY_IN_CONSUMER": True}}
+            "pf1qc": {"L2_PREFETCH": True, "QUERY_IN_CONSUMER": True},
+            "cf0": {"CONSUMER_FENCE": False}, "cf0pf1": {"CONSUMER_FENCE": False, "L2_PREFETCH": True},
+            "cf0qc": {"CONSUMER_FENCE": False, "QUERY_IN_CONSUMER": True}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU

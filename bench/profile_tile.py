@@ -28,12 +28,17 @@ def main() -> None:
     ap.add_argument("--query-in-consumer", type=int, choices=(0, 1), default=None,
                     help="force hopper.QUERY_IN_CONSUMER (1: the MMA warps load the query, 0: every warp before the "
                          "partitions); default: the launch's choice by form")
+    ap.add_argument("--l2-prefetch", type=int, choices=(0, 1), default=None,
+                    help="force hopper.L2_PREFETCH (the FP8 register loader's prefetch of the next tile into L2); "
+                         "default: the launch's choice by form")
     ap.add_argument("--kernel-times", action="store_true",
                     help="print each kernel's mean CUDA time over --runs runs (PyTorch profiler, warm L2)")
     args = ap.parse_args()
+    from mla_tune.backends.triton_mla import hopper
     if args.query_in_consumer is not None:
-        from mla_tune.backends.triton_mla import hopper
         hopper.QUERY_IN_CONSUMER = bool(args.query_in_consumer)
+    if args.l2_prefetch is not None:
+        hopper.L2_PREFETCH = bool(args.l2_prefetch)
     problem = Problem(args.heads, args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=1, ragged=False)
     prepared = (TritonMLASparse if args.topk else TritonMLA)().prepare(problem, inputs)

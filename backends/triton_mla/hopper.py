@@ -82,6 +82,10 @@ QUERY_IN_CONSUMER = None
 # tile's lines (`prefetch.global.L2`, one instruction a 128-byte line) before it waits for a free slot. None in
 # production: by form, `launch.L2_PREFETCH_FORMS`.
 L2_PREFETCH = None
+# Measurement only (bench/hopper_dev.py): False drops the MMA warps' proxy fence after a slot's barrier where the loader
+# fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
+# `launch.HOPPER_CONSUMER_FENCE`.
+CONSUMER_FENCE = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -387,7 +391,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                    DEBUG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                   EVICT_LAST: gl.constexpr = False):
+                   CONSUMER_FENCE: gl.constexpr, EVICT_LAST: gl.constexpr = False):
     """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
@@ -418,7 +422,8 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        if CONSUMER_FENCE or not KV_FP8:  # the FP8 loaders fence their own stores before they arrive
+            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
         kl = k_lat.index(slot)
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
@@ -456,7 +461,8 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
                           q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, KV_FP8: gl.constexpr,
-                          QUERY_IN_CONSUMER: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                          QUERY_IN_CONSUMER: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
+                          EVICT_LAST: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
     in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
@@ -483,7 +489,8 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        if CONSUMER_FENCE or not KV_FP8:  # the FP8 loaders fence their own stores before they arrive
+            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
         kl = k_lat.index(slot)
         s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
@@ -527,7 +534,7 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
                       stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                       DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                      EVICT_LAST: gl.constexpr = False):
+                      CONSUMER_FENCE: gl.constexpr, EVICT_LAST: gl.constexpr = False):
     """One of the k-split wide form's two MMA warpgroups (`KSPLIT`: a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`).
 
     Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
@@ -569,7 +576,8 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
         slot = t % STAGES
         phase = (t // STAGES) & 1
         mbarrier.wait(full_bars.index(slot), phase)
-        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        if CONSUMER_FENCE or not KV_FP8:  # the FP8 loaders fence their own stores before they arrive
+            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
         kl = k_lat.index(slot)
         if WG == 0:
             s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -629,7 +637,7 @@ def _mla_hopper_kernel(
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
-    QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False,
+    QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -687,7 +695,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     PARTIAL_EVICT_LAST)),
+                                     CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
@@ -702,7 +710,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     PARTIAL_EVICT_LAST)),
+                                     CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG))],
@@ -714,7 +722,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     PARTIAL_EVICT_LAST)),
+                                     CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 2)),
@@ -738,13 +746,13 @@ def _mla_hopper_kernel(
                                  store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                  stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                  BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                 PARTIAL_EVICT_LAST)),
+                                 CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
             (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
                                  o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
                                  store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                  stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                  BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                 PARTIAL_EVICT_LAST)),
+                                 CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 1, L2_PREFETCH))],
@@ -755,7 +763,8 @@ def _mla_hopper_kernel(
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
                               stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, BLOCK_N,
-                              STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, PARTIAL_EVICT_LAST)),
+                              STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, CONSUMER_FENCE,
+                              PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 1, L2_PREFETCH))],

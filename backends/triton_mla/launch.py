@@ -650,6 +650,10 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
 L2_PREFETCH_FORMS = {("wide", "fp8", "sparse")}
 
 
+# The MMA warps fence a slot for wgmma after its barrier even where the FP8 loader fenced its own stores (round 36).
+HOPPER_CONSUMER_FENCE = True
+
+
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
     """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
     switches applied): what `_launch_hopper` launches and the offline compile tests build."""
@@ -668,7 +672,8 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=(form not in QUERY_BEFORE_PARTITIONS) if hopper.QUERY_IN_CONSUMER is None
         else hopper.QUERY_IN_CONSUMER,
-        L2_PREFETCH=(form in L2_PREFETCH_FORMS) if hopper.L2_PREFETCH is None else hopper.L2_PREFETCH)
+        L2_PREFETCH=(form in L2_PREFETCH_FORMS) if hopper.L2_PREFETCH is None else hopper.L2_PREFETCH,
+        CONSUMER_FENCE=HOPPER_CONSUMER_FENCE if hopper.CONSUMER_FENCE is None else hopper.CONSUMER_FENCE)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
