@@ -647,11 +647,16 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
 # 0.97-1.01 at batch 4. Not the dense wide form: its loader alone took 0.83-0.89, but the kernel 1.04-1.09x longer at
 # 64 heads batch 64-128 and 1.01-1.04x at 128 heads batch 4-64 (0.94 at batch 128 kv 16k, 0.96-0.97 at 64 heads batch
 # 4-16): as with round 33, a faster loader there does not make a faster kernel.
-L2_PREFETCH_FORMS = {("wide", "fp8", "sparse")}
+# Round 36 (call 136): without the MMA warps' redundant proxy fence (HOPPER_CONSUMER_FENCE) the dense wide form gains
+# from it too: 0.93-0.95 at 64 heads batch 4-128 (over the default of then), 0.87-0.99 at 128 heads.
+L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense")}
 
 
-# The MMA warps fence a slot for wgmma after its barrier even where the FP8 loader fenced its own stores (round 36).
-HOPPER_CONSUMER_FENCE = True
+# Whether the MMA warps fence an FP8 slot for wgmma after its barrier (16-bit slots, written by cp.async, always are).
+# The FP8 loaders fence their own stores before they arrive, so it repeats theirs, and with the loader ahead its fence
+# waited behind the loader's stores (call 135). Without it (round 36, H100 call 136, same-process A/B): dense FP8 128
+# heads 0.86 / 0.90 at batch 128 kv 16k / 64 kv 4k, 64 heads 0.98-1.00, 16 heads 0.99-1.00, sparse 0.99-1.01.
+HOPPER_CONSUMER_FENCE = False
 
 
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:

@@ -251,10 +251,29 @@ def test_the_fp8_register_loader_can_prefetch_the_next_tile_into_l2(kv, sparse, 
     assert _spill_bytes(report_on) <= _spill_bytes(report_off) + 16, (report_off, report_on)
 
 
+@pytest.mark.parametrize("kv,rows,ksplit", [("fp8", 64, False), ("fp8", 16, False), ("fp8", 64, True),
+                                             ("bf16", 64, False), ("bf16", 32, False)])
+def test_fp8_slots_are_fenced_by_their_loader_and_16bit_ones_by_the_mma_warps(kv, rows, ksplit):
+    # The FP8 loaders store a slot, fence it (fence.proxy.async) and arrive: with CONSUMER_FENCE off (the default) the
+    # MMA warps do not fence it again; cp.async slots (16-bit) are always fenced by the MMA warps after their barrier
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.launch import HOPPER_CONSUMER_FENCE
+
+    def fences(ptx):
+        return len(re.findall(r"fence\.proxy\.async", ptx))
+
+    kw = dict(kv=kv, rows=rows, ksplit=ksplit)
+    fenced, _, _ = hopper_compile(**kw, CONSUMER_FENCE=True)
+    default, _, _ = hopper_compile(**kw)
+    assert HOPPER_CONSUMER_FENCE is False
+    assert fences(default) == fences(fenced) - (kv == "fp8")
+
+
 @pytest.mark.parametrize("heads,kv_fp8,sparse,prefetch", [
     (64, True, True, True), (128, True, True, True),     # sparse wide FP8: 0.89-0.92 at batch 64-128
-    (64, True, False, False), (16, True, True, False),   # dense wide FP8 (slower), the narrow form (staged loader)
-    (64, False, True, False)])                           # BF16 (cp.async)
+    (64, True, False, True),                             # dense wide FP8: 0.93-0.95 without the consumer fence
+    (16, True, True, False), (64, False, True, False)])  # the narrow form (staged loader), BF16 (cp.async)
 def test_launch_prefetches_into_l2_by_form(heads, kv_fp8, sparse, prefetch):
     from mla_tune.backends.triton_mla.launch import default_params, hopper_form
 
