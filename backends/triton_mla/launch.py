@@ -643,12 +643,10 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
 
 
 # Forms (as in QUERY_BEFORE_PARTITIONS) whose FP8 register loader asks the L2 for the next tile's lines before it waits
-# for a slot (round 35, H100 device call 132, same-process A/B): sparse wide 0.89-0.92 of the time at batch 64-128,
-# 0.97-1.01 at batch 4. Not the dense wide form: its loader alone took 0.83-0.89, but the kernel 1.04-1.09x longer at
-# 64 heads batch 64-128 and 1.01-1.04x at 128 heads batch 4-64 (0.94 at batch 128 kv 16k, 0.96-0.97 at 64 heads batch
-# 4-16): as with round 33, a faster loader there does not make a faster kernel.
-# Round 36 (call 136): without the MMA warps' redundant proxy fence (HOPPER_CONSUMER_FENCE) the dense wide form gains
-# from it too: 0.93-0.95 at 64 heads batch 4-128 (over the default of then), 0.87-0.99 at 128 heads.
+# for a slot (round 35, `hopper._prefetch_rows`). Same-process A/Bs: sparse wide 0.89-0.92 of the time at batch 64-128,
+# 0.97-1.01 at batch 4 (H100 call 132; H200 call 134: 0.91-0.93); dense wide 0.93-0.95 at 64 heads batch 4-128 once
+# the consumer fence was gone (round 36, call 136; with it the prefetch had made that form 1.04-1.09x slower, call 132).
+# The k-split form (the tuner's) was not measured with it.
 L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense")}
 
 
