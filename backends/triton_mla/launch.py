@@ -636,8 +636,10 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 # in the others the MMA warps load it themselves, so the loader streams KV tiles from the start (round 33, H100 device
 # call 122, same-process A/B: 0.91-0.99 of the time with 1-16 tiles a program, 0.97-1.00 with more). Kept before: the
 # FP8 dense wide form, which ran 1.02-1.22x slower with 8-256 tiles a program though its MMA warps alone and its loader
-# alone ran as fast either way (calls 123 and 130: its loader's global loads wait longer; why is not established), and
-# the k-split form (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner runs, not measured).
+# alone ran as fast either way (calls 123 and 130: its loader's global loads waited longer; call 135 later showed the MMA
+# warps' proxy fence waiting behind an early loader, removed in round 36, after which the query by the MMA warps read
+# 0.97-1.005 there against 0.93-0.95 for the L2 prefetch, call 136; both together not measured), and the k-split form
+# (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner runs, not measured).
 QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"), ("ksplit", "fp8", "dense"),
                            ("ksplit", "16bit", "sparse"), ("ksplit", "fp8", "sparse")}
 
