@@ -40,7 +40,7 @@ it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`
 
 The query: code before `gl.warp_specialize` runs on the MMA warps while the loader waits, so with `QUERY_IN_CONSUMER`
 each MMA partition loads the query into shared memory itself (`_store_query`) and the loader streams KV tiles from
-the start: 0.91-0.99 of the time with short programs (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
+the start: 0.91-1.00 of the time with 1-16 tiles a program (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
 for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
 122-130) and the k-split form.
 
@@ -215,7 +215,7 @@ def _store_chunks(dst_lat, dst_rope, xs):
 
 
 @gluon.jit
-def _prefetch_rows(row, ok, kv_ptr, BLOCK_N: gl.constexpr):
+def _prefetch_rows(row, ok, kv_ptr):
     """Ask the L2 for every 128-byte line of a tile's FP8 rows (576 bytes each: the lines at offsets 0, 128, 256, 384,
     512 and 575 cover them), `prefetch.global.L2`: no registers, nothing to wait for. Invalid rows ask for the cache's
     first line. `row` / `ok` in the register loader's row layout."""
@@ -276,7 +276,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                              stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         if PREFETCH and KV_FP8 and DEBUG != 2:
             if t + STRIDE < n_tiles:
-                _prefetch_rows(row, ok, kv_ptr, BLOCK_N)  # the next tile's lines, while this loader waits for a slot
+                _prefetch_rows(row, ok, kv_ptr)  # the next tile's lines, while this loader waits for a slot
 
 
 @gluon.jit
@@ -391,7 +391,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
                    q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                    DEBUG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                   CONSUMER_FENCE: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                   FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
     """The two MMA warpgroups: scores, online softmax and `p @ v` over the program's tiles, then the epilogue.
 
     `warps_per_cta [4, 2]`: each warpgroup scores half of a tile's tokens (m64n32 wgmma) and owns half of
@@ -422,8 +422,8 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        if CONSUMER_FENCE or not KV_FP8:  # the FP8 loaders fence their own stores before they arrive
-            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+            fence_async_shared()
         kl = k_lat.index(slot)
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
@@ -461,7 +461,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
                           q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, KV_FP8: gl.constexpr,
-                          QUERY_IN_CONSUMER: gl.constexpr, CONSUMER_FENCE: gl.constexpr,
+                          QUERY_IN_CONSUMER: gl.constexpr, FENCE_SLOTS: gl.constexpr,
                           EVICT_LAST: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
@@ -489,8 +489,8 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
         slot = t % STAGES
         mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        if CONSUMER_FENCE or not KV_FP8:  # the FP8 loaders fence their own stores before they arrive
-            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+            fence_async_shared()
         kl = k_lat.index(slot)
         s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
@@ -534,7 +534,7 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
                       stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                       DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                      CONSUMER_FENCE: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                      FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
     """One of the k-split wide form's two MMA warpgroups (`KSPLIT`: a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`).
 
     Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
@@ -576,8 +576,8 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
         slot = t % STAGES
         phase = (t // STAGES) & 1
         mbarrier.wait(full_bars.index(slot), phase)
-        if CONSUMER_FENCE or not KV_FP8:  # the FP8 loaders fence their own stores before they arrive
-            fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
+            fence_async_shared()
         kl = k_lat.index(slot)
         if WG == 0:
             s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -671,6 +671,9 @@ def _mla_hopper_kernel(
         _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
                      SPARSE, N_ROWS, KV_FP8, gl.num_warps())
 
+    # Whether the MMA warps fence a full slot for wgmma: always after cp.async (16-bit caches); the FP8 loaders store
+    # through registers and fence their own stores before they arrive, so there only with CONSUMER_FENCE (round 36).
+    FENCE_SLOTS: gl.constexpr = CONSUMER_FENCE or not KV_FP8
     k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
     k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -695,7 +698,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
@@ -710,7 +713,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG))],
@@ -722,7 +725,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 2)),
@@ -746,13 +749,13 @@ def _mla_hopper_kernel(
                                  store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                  stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                  BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                 CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
+                                 FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
                                  o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
                                  store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                  stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                  BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                 CONSUMER_FENCE, PARTIAL_EVICT_LAST)),
+                                 FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 1, L2_PREFETCH))],
@@ -763,7 +766,7 @@ def _mla_hopper_kernel(
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
                               kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
                               stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, BLOCK_N,
-                              STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, CONSUMER_FENCE,
+                              STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS,
                               PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,

@@ -634,21 +634,22 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
 # Forms of the Hopper kernel (form, KV kind, dense / sparse) whose query every warp loads before the partitions start;
 # in the others the MMA warps load it themselves, so the loader streams KV tiles from the start (round 33, H100 device
-# call 122, same-process A/B: 0.91-0.99 of the time with 1-16 tiles a program, 0.97-1.00 with more). Kept before: the
+# call 122, same-process A/B: 0.91-1.00 of the time with 1-16 tiles a program, 0.94-1.01 with 32-256). Kept before: the
 # FP8 dense wide form, which ran 1.02-1.22x slower with 8-256 tiles a program though its MMA warps alone and its loader
 # alone ran as fast either way (calls 123 and 130: its loader's global loads waited longer; call 135 later showed the MMA
 # warps' proxy fence waiting behind an early loader, removed in round 36, after which the query by the MMA warps read
 # 0.97-1.005 there against 0.93-0.95 for the L2 prefetch, call 136; both together not measured), and the k-split form
 # (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner runs, not measured).
-QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"), ("ksplit", "fp8", "dense"),
-                           ("ksplit", "16bit", "sparse"), ("ksplit", "fp8", "sparse")}
+QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense")} | {("ksplit", kv, kind) for kv in ("16bit", "fp8")
+                                                         for kind in ("dense", "sparse")}
 
 
 # Forms (as in QUERY_BEFORE_PARTITIONS) whose FP8 register loader asks the L2 for the next tile's lines before it waits
 # for a slot (round 35, `hopper._prefetch_rows`). Same-process A/Bs: sparse wide 0.89-0.92 of the time at batch 64-128,
-# 0.97-1.01 at batch 4 (H100 call 132; H200 call 134: 0.91-0.93); dense wide 0.93-0.95 at 64 heads batch 4-128 once
-# the consumer fence was gone (round 36, call 136; with it the prefetch had made that form 1.04-1.09x slower, call 132).
-# The k-split form (the tuner's) was not measured with it.
+# 0.97-1.01 at batch 4 (H100 call 132; H200 call 134: 0.91-0.93); dense wide, once the consumer fence was gone too
+# (round 36, call 136), 0.93-0.95 at 64 heads batch 4-128 against neither change, 0.94-1.00 against the fence's removal
+# alone (with the fence, the prefetch had made that form 1.04-1.09x slower at batch 64-128, call 132). The k-split form
+# (the tuner's) was not measured with it.
 L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense")}
 
 
@@ -657,6 +658,14 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense")}
 # waited behind the loader's stores (call 135). Without it (round 36, H100 call 136, same-process A/B): dense FP8 128
 # heads 0.86 / 0.90 at batch 128 kv 16k / 64 kv 4k, 64 heads 0.98-1.00, 16 heads 0.99-1.00, sparse 0.99-1.01.
 HOPPER_CONSUMER_FENCE = False
+
+
+def _switched(name: str, default):
+    """`default`, unless hopper.py's measurement switch `name` (bench/hopper_dev.py) is set."""
+    from mla_tune.backends.triton_mla import hopper
+
+    forced = getattr(hopper, name)
+    return default if forced is None else forced
 
 
 def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
@@ -673,12 +682,11 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse,
                                       override=hopper.STAGED_LOADERS),
-        PARTIAL_EVICT_LAST=writes_partials if hopper.PARTIAL_EVICT_LAST is None else hopper.PARTIAL_EVICT_LAST,
+        PARTIAL_EVICT_LAST=_switched("PARTIAL_EVICT_LAST", writes_partials),
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
-        QUERY_IN_CONSUMER=(form not in QUERY_BEFORE_PARTITIONS) if hopper.QUERY_IN_CONSUMER is None
-        else hopper.QUERY_IN_CONSUMER,
-        L2_PREFETCH=(form in L2_PREFETCH_FORMS) if hopper.L2_PREFETCH is None else hopper.L2_PREFETCH,
-        CONSUMER_FENCE=HOPPER_CONSUMER_FENCE if hopper.CONSUMER_FENCE is None else hopper.CONSUMER_FENCE)
+        QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
+        L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE))
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
