@@ -16,6 +16,7 @@ with the best and worst shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -78,18 +79,25 @@ def candidate(spec: str):
     return kind, lambda bucket: tile, {}
 
 
-def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
-    """`check_and_time` (or `debug_time` in a measurement mode) with the measurement `switches` (hopper.py's or,
-    where hopper.py has no such name, launch.py's) set."""
-    modules = {name: hopper if hasattr(hopper, name) else launch for name in switches}  # hopper.py's or launch.py's
+@contextlib.contextmanager
+def switched(switches: dict):
+    """The measurement `switches` (hopper.py's or, where hopper.py has no such name, launch.py's) set inside the block,
+    restored after it."""
+    modules = {name: hopper if hasattr(hopper, name) else launch for name in switches}
     saved = {name: getattr(modules[name], name) for name in switches}
     for name, value in switches.items():
         setattr(modules[name], name, value)
     try:
-        return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
+        yield
     finally:
         for name, value in saved.items():
             setattr(modules[name], name, value)
+
+
+def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
+    """`check_and_time` (or `debug_time` in a measurement mode) with the measurement `switches` set (`switched`)."""
+    with switched(switches):
+        return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
 
 
 def debug_time(case, adapter, mode: str) -> dict:

@@ -4,17 +4,23 @@ print the CUDA time of each kernel it launches (stage 1, the split combine) from
     ncu -k regex:_mla_split_kernel -s 3 -c 1 --section WarpStateStats ... \\
         python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 4096 --kv-dtype bf16
     python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 32768 --topk 2048 --kernel-times
+    python3 bench/profile_tile.py --kv-dtype fp8_e4m3 --switches qk --kernel-times   (hopper_dev.py's SWITCHES)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from mla_tune.backends.inputs import make_inputs
 from mla_tune.backends.problem import Problem, Shape
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hopper_dev import SWITCHES, switched  # noqa: E402
 
 
 def main() -> None:
@@ -25,29 +31,22 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bf16")
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--query-in-consumer", type=int, choices=(0, 1), default=None,
-                    help="force hopper.QUERY_IN_CONSUMER (1: the MMA warps load the query, 0: every warp before the "
-                         "partitions); default: the launch's choice by form")
-    ap.add_argument("--l2-prefetch", type=int, choices=(0, 1), default=None,
-                    help="force hopper.L2_PREFETCH (the FP8 register loader's prefetch of the next tile into L2); "
-                         "default: the launch's choice by form")
+    ap.add_argument("--switches", default="dflt", choices=sorted(SWITCHES),
+                    help="a named set of measurement switches of hopper.py / launch.py (bench/hopper_dev.py's "
+                         "SWITCHES; 'dflt': none, the launch's own choices)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="print each kernel's mean CUDA time over --runs runs (PyTorch profiler, warm L2)")
     args = ap.parse_args()
-    from mla_tune.backends.triton_mla import hopper
-    if args.query_in_consumer is not None:
-        hopper.QUERY_IN_CONSUMER = bool(args.query_in_consumer)
-    if args.l2_prefetch is not None:
-        hopper.L2_PREFETCH = bool(args.l2_prefetch)
     problem = Problem(args.heads, args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=1, ragged=False)
-    prepared = (TritonMLASparse if args.topk else TritonMLA)().prepare(problem, inputs)
-    for _ in range(args.runs):
-        prepared.run(inputs)
-    torch.cuda.synchronize()
-    print("params", prepared.params.label())
-    if args.kernel_times:
-        print_kernel_times(lambda: prepared.run(inputs), args.runs)
+    with switched(SWITCHES[args.switches]):
+        prepared = (TritonMLASparse if args.topk else TritonMLA)().prepare(problem, inputs)
+        for _ in range(args.runs):
+            prepared.run(inputs)
+        torch.cuda.synchronize()
+        print("params", prepared.params.label())
+        if args.kernel_times:
+            print_kernel_times(lambda: prepared.run(inputs), args.runs)
 
 
 def print_kernel_times(run, runs: int) -> None:
