@@ -5,8 +5,7 @@
 # every one).
 # Usage (device root): OUT=dir NAME=h100-call37 [FORM=wide_ks] [GRID=1] [AB_ARGS="..."] [DEBUG_MODES="..."] \
 #   [TEST_K="..."] bash bench/hopper_call.sh
-# FORM: the form the smoke cases run in (`_params`' form, "wide" by default; "wide_ks" for the k-split form, "wide_ss"
-# for the seesaw form).
+# FORM: the form the smoke cases run in (`_params`' form, "wide" by default; "wide_ks" for the k-split form).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
@@ -25,8 +24,6 @@ import torch
 from test_triton_mla import _run_case
 from test_triton_mla_hopper import _params
 from mla_tune.backends.problem import Problem, Shape
-from mla_tune.backends.triton_mla import hopper
-hopper.SEESAW = True if os.environ.get("FORM") == "wide_ss" else None
 cases = [("bf16", 64, 1, 64, None), ("fp8_e4m3", 64, 1, 64, None), ("bf16", 20, 2, 16, None),
          ("fp8_e4m3", 3, 2, 128, None), ("bf16", 128, 1, 1, 2048), ("fp8_e4m3", 16, 2, 64, 2048)]
 for kv, heads, q_len, page, topk in cases:

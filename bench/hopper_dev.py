@@ -60,10 +60,10 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', 'fp8:ss' (or 'fp8:ss' + a key of `SWITCHES`, 'fp8:sspf0'), a key of `SWITCHES` ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', a key of `SWITCHES` ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
     `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is timed on, rows bucket -> Tile, DISPATCHED or None,
     measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
-    `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up; 'ss': the same launch as the seesaw form), the tile `launch` dispatches on this GPU with the switches
+    `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
     one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
@@ -74,9 +74,6 @@ def candidate(spec: str):
     tile = HOPPER_TILE
     if rest == "ks":  # the k-split wide form (HOPPER_KSPLIT_TILE)
         return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, {}
-    if rest.startswith("ss"):  # the seesaw wide form (the k-split form's launch with SEESAW), 'ss<switches key>'
-        return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, {
-            "SEESAW": True, **SWITCHES[rest[2:] or "dflt"]}
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, lambda bucket: tile, {}

@@ -86,9 +86,6 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): True runs the k-split form's launch (4 warps, two MMA partitions) as the seesaw
-# wide form (`_mma_partition_ss`). None in production.
-SEESAW = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -625,101 +622,6 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
 
 
 @gluon.jit
-def _mma_partition_ss(q_lat, q_rope, k_lat, k_rope, p_x, m_x, full_bars, empty_bars, x_bars,
-                      o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                      qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                      stride_lt, stride_lh,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                      DEBUG: gl.constexpr, WG: gl.constexpr, FENCE_SLOTS: gl.constexpr,
-                      EVICT_LAST: gl.constexpr = False):
-    """One of the seesaw wide form's two MMA warpgroups (`SEESAW`: the k-split form's 4-warp launch).
-
-    Warpgroup `WG` scores its half of a tile's tokens (m64n32, as in the token-split wide form) and owns 256 of the
-    512 output columns (m64n256), but the two warpgroups are separate partitions that pass each other the softmax
-    instead of meeting at a barrier of both: warpgroup 0 takes the row max over the running one and its own scores,
-    hands that max and its p (16-bit, `p_x` / `m_x` slot 0) to warpgroup 1 and multiplies its p by its value columns
-    while warpgroup 1, from that max and its own scores, takes the tile's row max and hands back its p and that max
-    (slot 1). Each then scales its output columns to the tile's max and adds the other's p times its value columns
-    (warpgroup 1 scales warpgroup 0's p by `exp2(m_0 - m_1)` in registers first). So one warpgroup's softmax runs
-    while the other's MMAs do, as in FlashMLA's seesaw schedule. Each keeps the row sums of the p it multiplied;
-    warpgroup 0 writes the LSE.
-    """
-    HALF: gl.constexpr = BLOCK_N // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 256, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows_p: gl.constexpr = gl.SliceLayout(1, p_layout)
-
-    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
-    visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
-    acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, rows_p)
-    zero_s = gl.zeros([ROWS, HALF], gl.float32, s_layout)
-    if DEBUG == 1:
-        _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-    for t in range(n_tiles if DEBUG != 1 else 0):
-        pos, ok = _tile_positions(start + t * BLOCK_N + WG * HALF, end, seq_len, topk_row, cols_s, HALF, SPARSE)
-        slot = t % STAGES
-        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
-            fence_async_shared()
-        kl = k_lat.index(slot)
-        mine = kl.slice(WG * HALF, HALF, dim=0)  # this warpgroup's tokens
-        other = kl.slice((1 - WG) * HALF, HALF, dim=0)
-        s = warpgroup_mma(q_rope, k_rope.index(slot).slice(WG * HALF, HALF, dim=0).permute((1, 0)), zero_s,
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma(q_lat, mine.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        if WG == 1:  # warpgroup 0's max and p of this tile
-            mbarrier.wait(x_bars.index(0), t & 1)
-            m_0 = m_x.index(0).load(rows_s)
-            p_0 = p_x.index(0).load(p_layout)
-            m_new = gl.maximum(m_0, gl.max(s, 1))  # the tile's row max
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = gl.exp2(s - m_safe[:, None]).to(kl.dtype)
-        p_x.index(WG).store(p)
-        m_x.index(WG).store(m_new)
-        mbarrier.arrive(x_bars.index(WG))
-        alpha = gl.exp2(m_i - m_safe)
-        p_op = gl.convert_layout(p, p_layout)
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        l_i = l_i * gl.convert_layout(alpha, rows_p) + gl.sum(p_op.to(gl.float32), 1)
-        acc = warpgroup_mma(p_op, mine.slice(WG * 256, 256, dim=1), acc, is_async=True)
-        if WG == 0:  # warpgroup 1's p, at the tile's max: rescale to it, then add
-            mbarrier.wait(x_bars.index(1), t & 1)
-            m_1 = m_x.index(1).load(rows_s)
-            p_1 = p_x.index(1).load(p_layout)
-            scale = gl.where(m_new == float("-inf"), 0.0, gl.exp2(m_new - gl.where(m_1 == float("-inf"), 0.0, m_1)))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc = acc * gl.convert_layout(scale, rows_o)[:, None]
-            l_i = l_i * gl.convert_layout(scale, rows_p) + gl.sum(p_1.to(gl.float32), 1)
-            acc = warpgroup_mma(p_1, other.slice(0, 256, dim=1), acc, is_async=True)
-            m_new = m_1
-        else:  # warpgroup 0's p, at its own max: rescaled to the tile's in registers
-            scale = gl.where(m_0 == float("-inf"), 0.0, gl.exp2(m_0 - m_safe))
-            p_0 = (p_0.to(gl.float32) * gl.convert_layout(scale, rows_p)[:, None]).to(kl.dtype)
-            l_i = l_i + gl.sum(p_0.to(gl.float32), 1)
-            acc = warpgroup_mma(p_0, other.slice(256, 256, dim=1), acc, is_async=True)
-        m_i = m_new
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index(slot))
-
-    _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
-              stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN, SPARSE,
-              EVICT_LAST, WG * 256, 256, WG == 0)
-
-
-@gluon.jit
 def _mla_hopper_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
@@ -736,7 +638,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    SEESAW: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -766,7 +667,7 @@ def _mla_hopper_kernel(
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
     q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
-    if not QUERY_IN_CONSUMER or SEESAW:  # (both seesaw warpgroups read the whole query)
+    if not QUERY_IN_CONSUMER:
         _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
                      SPARSE, N_ROWS, KV_FP8, gl.num_warps())
 
@@ -832,30 +733,6 @@ def _mla_hopper_kernel(
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-    elif KSPLIT and SEESAW:
-        # the seesaw wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker;
-        # each hands the other its p and row max through `p_x` / `m_x` (index = the writer)
-        p_x = gl.allocate_shared_memory(mma_dtype, [2, ROWS, BLOCK_N // 2],
-                                        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
-        m_x = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(x_bars.index(i), count=1)
-        gl.warp_specialize([
-            (_mma_partition_ss, (q_lat, q_rope, k_lat, k_rope, p_x, m_x, full_bars, empty_bars, x_bars, o_ptr, lse_ptr,
-                                 topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                                 kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
-                                 stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, FENCE_SLOTS,
-                                 PARTIAL_EVICT_LAST)),
-            (_mma_partition_ss, (q_lat, q_rope, k_lat, k_rope, p_x, m_x, full_bars, empty_bars, x_bars, o_ptr, lse_ptr,
-                                 topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                                 kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
-                                 stride_lh, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, FENCE_SLOTS,
-                                 PARTIAL_EVICT_LAST)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, L2_PREFETCH))],
-            [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     elif KSPLIT:
         # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
         x1 = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK_N], smem_layout)

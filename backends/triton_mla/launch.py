@@ -640,8 +640,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 # warps' proxy fence waiting behind an early loader, removed in round 36, after which the query by the MMA warps read
 # 0.97-1.005 there against 0.93-0.95 for the L2 prefetch, call 136; both together not measured), and the k-split form
 # (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner runs, not measured).
-QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense")} | {(form, kv, kind) for form in ("ksplit", "seesaw")
-                                                         for kv in ("16bit", "fp8") for kind in ("dense", "sparse")}
+QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense")} | {("ksplit", kv, kind) for kv in ("16bit", "fp8")
+                                                         for kind in ("dense", "sparse")}
 
 
 # Forms (as in QUERY_BEFORE_PARTITIONS) whose FP8 register loader asks the L2 for the next tile's lines before it waits
@@ -650,8 +650,7 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense")} | {(form, kv, kind) for for
 # (round 36, call 136), 0.93-0.95 at 64 heads batch 4-128 against neither change, 0.94-1.00 against the fence's removal
 # alone (with the fence, the prefetch had made that form 1.04-1.09x slower at batch 64-128, call 132). The k-split form
 # (the tuner's) was not measured with it.
-L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("seesaw", "fp8", "sparse"),
-                     ("seesaw", "fp8", "dense")}
+L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense")}
 
 
 # Whether the MMA warps fence an FP8 slot for wgmma after its barrier (16-bit slots, written by cp.async, always are).
@@ -676,9 +675,8 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
 
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
-    seesaw = ksplit and bool(_switched("SEESAW", False))
     writes_partials = splits > 1  # the outputs are partials the combine reads back
-    form = ("seesaw" if seesaw else "ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
+    form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
@@ -688,7 +686,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
-        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), SEESAW=seesaw)
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE))
 
 
 def ksplit_mma_regs(load_regs: int) -> int:

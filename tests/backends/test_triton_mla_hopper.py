@@ -327,7 +327,7 @@ def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, 
         HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, params_from_tile, rows_bucket)
 
     rows = heads if sparse else heads * q_len
-    tile = HOPPER_KSPLIT_TILE if form in ("wide_ks", "wide_ss") else HOPPER_TILE
+    tile = HOPPER_KSPLIT_TILE if form == "wide_ks" else HOPPER_TILE
     if form == "narrow":
         if rows > 32:
             pytest.skip("the narrow form takes up to 32 rows")
@@ -339,16 +339,7 @@ def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, 
 GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 # 64 rows, two MMA warpgroups; the same with the scores split over k (`HOPPER_KSPLIT_TILE`); up to 32 rows, one
 # MMA warpgroup on transposed products
-FORMS = ("wide", "wide_ks", "wide_ss", "narrow")
-
-
-@pytest.fixture(autouse=True)
-def _seesaw_form(request, monkeypatch):
-    """Form "wide_ss": the k-split form's launch run as the seesaw wide form (hopper.py's switch `SEESAW`)."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("form") == "wide_ss":
-        from mla_tune.backends.triton_mla import hopper
-        monkeypatch.setattr(hopper, "SEESAW", True)
+FORMS = ("wide", "wide_ks", "narrow")
 
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised kernel needs an SM90 GPU")
 
