@@ -60,7 +60,7 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks', a key of `SWITCHES` ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES` ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
     `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is timed on, rows bucket -> Tile, DISPATCHED or None,
     measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
     `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
@@ -72,8 +72,8 @@ def candidate(spec: str):
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     tile = HOPPER_TILE
-    if rest == "ks":  # the k-split wide form (HOPPER_KSPLIT_TILE)
-        return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, {}
+    if rest.startswith("ks") and rest[2:] in ("", *SWITCHES):  # the k-split wide form ('ks' + a key of `SWITCHES`)
+        return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, SWITCHES[rest[2:] or "dflt"]
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, lambda bucket: tile, {}
