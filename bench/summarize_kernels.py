@@ -11,8 +11,9 @@ Usage: python3 bench/summarize_kernels.py bench/results/kernels-h100-dense-20261
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
+import statistics
 from collections import defaultdict
 
 
@@ -45,17 +46,21 @@ def summarize(path: str) -> list[str]:
     rows = read(path)
     for kv in ("bf16", "fp8_e4m3"):
         ratios, large, fracs = [], [], []
-        for (k, heads, batch, kv_len), times in rows.items():
+        by_heads = defaultdict(list)  # heads -> ratios
+        fracs_by_heads = defaultdict(list)  # heads -> roofline fractions at the large shapes
+        for (k, heads, batch, kv_len), times in sorted(rows.items()):
             if k != kv or "TRITON_MLA" not in times or "FLASHINFER_FA3_MLA" not in times:
                 continue
             flashinfer = [times[name][0] for name in ("FLASHINFER_FA2_MLA", "FLASHINFER_FA3_MLA") if name in times]
             theirs = min(flashinfer) if kv.startswith("fp8") else times["FLASHINFER_FA3_MLA"][0]
             ratio = theirs / times["TRITON_MLA"][0]
             ratios.append(ratio)
+            by_heads[heads].append(ratio)
             if batch >= 64 and kv_len >= 4096:
                 large.append(ratio)
                 if heads <= 64:
                     fracs.append(times["TRITON_MLA"][1])
+                    fracs_by_heads[heads].append(times["TRITON_MLA"][1])
         if not ratios:
             continue
         versus = "the faster of FA2/FA3" if kv.startswith("fp8") else "FA3"
@@ -63,14 +68,27 @@ def summarize(path: str) -> list[str]:
         lines.append(f"{kv}: {len(ratios)} shapes; FlashInfer ({versus}) / ours = {geomean(ratios):.2f} "
                      f"(geomean), {geomean(large):.2f} at batch >= 64 and kv_len >= 4096; ours faster on "
                      f"{wins}/{len(ratios)}")
+        lines.append("  by heads (geomean): " + ", ".join(f"{h}: {geomean(r):.2f}" for h, r in sorted(by_heads.items())))
         if fracs:
-            fracs.sort()
             lines.append(f"  our roofline fraction at batch >= 64, kv_len >= 4096, heads <= 64: median "
-                         f"{fracs[len(fracs) // 2]:.2f}, range {fracs[0]:.2f}-{fracs[-1]:.2f} over {len(fracs)} shapes")
+                         f"{statistics.median(fracs):.2f}, range {min(fracs):.2f}-{max(fracs):.2f} over {len(fracs)} "
+                         f"shapes; by heads: " + ", ".join(f"{h}: {'/'.join(f'{x:.2f}' for x in xs)}"
+                                                           for h, xs in sorted(fracs_by_heads.items())))
     return lines
 
 
-if __name__ == "__main__":
-    for result_file in sys.argv[1:]:
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", metavar="FILE", help="a bench/kernels.py result file, or OLD+NEWER")
+    args = ap.parse_args()
+    for result_file in args.files:
+        try:
+            lines = summarize(result_file)
+        except OSError as exc:
+            ap.exit(2, f"summarize_kernels: cannot read {result_file}: {exc.strerror}\n")
         print(result_file)
-        print("\n".join(summarize(result_file)))
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
