@@ -65,8 +65,9 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 
 # Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
 # back), 2 = the MMA warps alone (the loader copies nothing), 3 = (token-split wide form only) no row max across
-# the warpgroups and no row sums (wrong results). 0 in production.
-DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3}
+# the warpgroups and no row sums (wrong results); the token-split wide form's MMA warps alone, in parts (the loader
+# copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone. 0 in production.
+DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
@@ -416,6 +417,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_p)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s_sum = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # (measurement mode 5 only)
     if DEBUG == 1:
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
@@ -428,26 +430,32 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        if DEBUG == 3:
-            m_new = m_i
+        if DEBUG == 5:  # the score MMAs alone (kept alive by a sum in registers, reduced once after the loop)
+            s_sum = s_sum + s
         else:
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        m_i = m_new
-        p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
-        alpha_o = gl.convert_layout(alpha, rows_o)
-        if DEBUG != 3:
-            # Row sums from p in the `p @ v` operand layout, where each warpgroup holds whole rows: no exchange
-            # between the warpgroups (the sums are of the rounded p that `p @ v` multiplies).
-            l_i = l_i * gl.convert_layout(alpha_o, rows_p) + gl.sum(p_op.to(gl.float32), 1)
-        acc = acc * alpha_o[:, None]
-        acc = warpgroup_mma(p_op, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+            s = gl.where(visible, s * qk_scale, float("-inf"))
+            if DEBUG == 3:
+                m_new = m_i
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
+            alpha_o = gl.convert_layout(alpha, rows_o)
+            if DEBUG != 3:
+                # Row sums from p in the `p @ v` operand layout, where each warpgroup holds whole rows: no exchange
+                # between the warpgroups (the sums are of the rounded p that `p @ v` multiplies).
+                l_i = l_i * gl.convert_layout(alpha_o, rows_p) + gl.sum(p_op.to(gl.float32), 1)
+            acc = acc * alpha_o[:, None]
+            if DEBUG != 4:  # 4: no `p @ v`
+                acc = warpgroup_mma(p_op, kl, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
+    if DEBUG == 5:
+        m_i = gl.max(s_sum, 1)
 
     _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
               stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN, SPARSE,
@@ -761,6 +769,7 @@ def _mla_hopper_kernel(
                                DEBUG, 0, 1, L2_PREFETCH))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
+        LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG  # modes 4-5 time the MMA warps alone, in parts
         gl.warp_specialize([
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
@@ -770,5 +779,5 @@ def _mla_hopper_kernel(
                               PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, L2_PREFETCH))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
             [LOAD_WARPS], [LOAD_REGS])
