@@ -69,9 +69,8 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone. 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5}
 DEBUG_MODE = 0
-# Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2 staged ones, or 0: two register loaders
-# without the staging ring (one a slot, as for 16-bit caches), instead of `launch.HOPPER_STAGED_LOADERS`. None in
-# production.
+# Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
+# `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
 # Measurement only (bench/hopper_dev.py): True / False forces the L2 evict-last hint of the epilogue's output stores
 # on / off. None in production: `launch` turns it on where the outputs are split partials (more than one split).
@@ -689,14 +688,14 @@ def _mla_hopper_kernel(
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS and STAGED_LOADERS > 0 else 1)
-                      if KV_FP8 else LOAD_WARPS * 32)
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                      else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2 if KSPLIT else 1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        if KV_FP8 and STAGED_LOADERS > 0:
+        if KV_FP8:
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
@@ -715,7 +714,7 @@ def _mla_hopper_kernel(
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-    elif N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 1:
+    elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
@@ -737,10 +736,10 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 2, L2_PREFETCH)),
+                               DEBUG, 0, 2)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 1, 2, L2_PREFETCH))],
+                               DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif KSPLIT:
         # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker

@@ -289,7 +289,7 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | Non
     `override`), 1 otherwise (no other form reads it)."""
     if not kv_fp8 or rows >= HOPPER_SHAPE[0]:
         return 1
-    return HOPPER_STAGED_LOADERS[sparse] if override is None else override
+    return override or HOPPER_STAGED_LOADERS[sparse]
 
 
 # Short requests at small batches stay on the tl tiles: a batch whose longest request is shorter than
