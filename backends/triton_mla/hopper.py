@@ -295,7 +295,7 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                            k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
                            SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
-                           N_HALVES: gl.constexpr = 2, PREFETCH: gl.constexpr = False):
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
     (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
     e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
@@ -327,12 +327,6 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
         fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
-        if PREFETCH and DEBUG != 2:
-            if t + 2 < n_tiles:  # the lines of the tile after the one now in the staging ring, while this loader waits
-                for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
-                    row, ok = _tile_rows(start + (2 * t + 4 + j) * HALF, end, seq_len, topk_row, bt_row, kv_ptr,
-                                         stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
-                    _prefetch_rows(row, ok, kv_ptr)
     async_copy.wait_group(0)  # the copies past the end (zero-filled, no reads) before the program exits
 
 
@@ -715,10 +709,10 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, DEBUG, 0, 1, L2_PREFETCH)),
+                                      PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, DEBUG, 1, 1, L2_PREFETCH))],
+                                      PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -730,7 +724,7 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, DEBUG, 0, 2, L2_PREFETCH))],
+                                      PAGE_SIZE, SPARSE, DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([
