@@ -5,6 +5,7 @@ print the CUDA time of each kernel it launches (stage 1, the split combine) from
         python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 4096 --kv-dtype bf16
     python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 32768 --topk 2048 --kernel-times
     python3 bench/profile_tile.py --kv-dtype fp8_e4m3 --switches qk --kernel-times   (hopper_dev.py's SWITCHES)
+    python3 bench/profile_tile.py --kv-dtype fp8_e4m3 --heads 32 --debug mma_only   (hopper.py's measurement modes)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hopper_dev import SWITCHES, switched  # noqa: E402
 
+from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -34,12 +37,14 @@ def main() -> None:
     ap.add_argument("--switches", default="dflt", choices=sorted(SWITCHES),
                     help="a named set of measurement switches of hopper.py / launch.py (bench/hopper_dev.py's "
                          "SWITCHES; 'dflt': none, the launch's own choices)")
+    ap.add_argument("--debug", default=None, choices=sorted(DEBUG_MODES),
+                    help="run the Hopper kernel in a measurement mode of hopper.py (its outputs mean nothing)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="print each kernel's mean CUDA time over --runs runs (PyTorch profiler, warm L2)")
     args = ap.parse_args()
     problem = Problem(args.heads, args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=1, ragged=False)
-    with switched(SWITCHES[args.switches]):
+    with switched({**SWITCHES[args.switches], **({"DEBUG_MODE": DEBUG_MODES[args.debug]} if args.debug else {})}):
         prepared = (TritonMLASparse if args.topk else TritonMLA)().prepare(problem, inputs)
         for _ in range(args.runs):
             prepared.run(inputs)
