@@ -4,7 +4,8 @@
 #   REPORT=details (default): speed of light, warp states, scheduler, compute, memory tables, the stall reasons per issued
 #     instruction and the shared-memory bank conflicts (device call 130 read the query placement this way);
 #   REPORT=source: per-instruction warp-stall samples of the SASS (device call 135 read the L2 prefetch this way).
-# A set may name a measurement mode of hopper.py after a '+' (profile_tile.py --debug): 'dflt+mma_only'.
+# A set may name a measurement mode of hopper.py after a '+' (profile_tile.py --debug): 'dflt+mma_only' (its files
+# are named with a '-' there: ncu-source-NAME-dflt-mma_only.csv).
 # Usage (device root, after installing the wheels):
 #   OUT=dir [REPORT=source] [HEADS=64 BATCH=64 KV_LEN=4096 KV_DTYPE=fp8_e4m3] bash bench/ncu_ab.sh NAME SWITCHES_A SWITCHES_B
 #   e.g. OUT=o REPORT=source bash bench/ncu_ab.sh pf pf0 pf1
@@ -27,6 +28,6 @@ for sw in "$2" "$3"; do
   [[ "$sw" == *+* ]] && mode=(--debug "${sw#*+}")
   timeout 240 $NCU -k regex:_mla_hopper_kernel -s 3 -c 1 "${WHAT[@]}" --csv python3 bench/profile_tile.py \
     --heads ${HEADS:-64} --batch ${BATCH:-64} --kv-len ${KV_LEN:-4096} --kv-dtype ${KV_DTYPE:-fp8_e4m3} --runs 4 \
-    --switches "${sw%%+*}" "${mode[@]}" > "$OUT/ncu-$REPORT-$1-$sw.csv" 2> "$OUT/ncu-$REPORT-$1-$sw.err"
-  echo "$sw: rc=$? $(wc -l < "$OUT/ncu-$REPORT-$1-$sw.csv") lines"; tail -2 "$OUT/ncu-$REPORT-$1-$sw.err"
+    --switches "${sw%%+*}" "${mode[@]}" > "$OUT/ncu-$REPORT-$1-${sw/+/-}.csv" 2> "$OUT/ncu-$REPORT-$1-${sw/+/-}.err"
+  echo "$sw: rc=$? $(wc -l < "$OUT/ncu-$REPORT-$1-${sw/+/-}.csv") lines"; tail -2 "$OUT/ncu-$REPORT-$1-${sw/+/-}.err"
 done
