@@ -87,10 +87,6 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): True lets the narrow form's running max lag (`LAZY_MAX_LOG2`). None in
-# production: False.
-LAZY_MAX = None
-LAZY_MAX_LOG2 = gl.constexpr(8.0)  # how far (base-2 logits) a score may pass the running max before it moves
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -474,7 +470,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, KV_FP8: gl.constexpr,
                           QUERY_IN_CONSUMER: gl.constexpr, FENCE_SLOTS: gl.constexpr,
-                          EVICT_LAST: gl.constexpr = False, LAZY_MAX: gl.constexpr = False):
+                          EVICT_LAST: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
     in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
@@ -509,33 +505,18 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
         s = gl.where(visible, s * qk_scale, float("-inf"))
-        if LAZY_MAX:
-            # The running max moves only when a score passes it by more than LAZY_MAX_LOG2 (p then stays below
-            # 2^LAZY_MAX_LOG2, safe in fp16): one flag reduced over the tile instead of the max of every row.
-            lead = gl.max(gl.max(s - gl.where(m_i == float("-inf"), -1.0e30, m_i)[None, :], 1), 0)
-            alpha = gl.full([N_ROWS], 1.0, gl.float32, rows_s)
-            if lead > LAZY_MAX_LOG2:
-                m_new = gl.maximum(m_i, gl.max(s, 0))
-                alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-                m_i = m_new
-            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :]).to(kl.dtype)
-            l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-            p_smem.permute((1, 0)).store(p)
-            fence_async_shared()
-            acc = acc * alpha[None, :]
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
-            m_i = m_new
-            # The row sums of the rounded p that `o^T = v^T p^T` multiplies, kept per token and reduced over the
-            # tokens (across the four warps) once, after the loop, not per tile (round 21: 0.93-0.95 of the time at
-            # FP8 batch 128 kv 16k, device call 77).
-            l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-            p_smem.permute((1, 0)).store(p)
-            fence_async_shared()
-            acc = acc * alpha[None, :]
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
+        m_i = m_new
+        # The row sums of the rounded p that `o^T = v^T p^T` multiplies, kept per token and reduced over the
+        # tokens (across the four warps) once, after the loop, not per tile (round 21: 0.93-0.95 of the time at
+        # FP8 batch 128 kv 16k, device call 77).
+        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
+        p_smem.permute((1, 0)).store(p)
+        fence_async_shared()
+        acc = acc * alpha[None, :]
         acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
@@ -665,7 +646,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LAZY_MAX: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -726,7 +706,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, LAZY_MAX)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
@@ -741,7 +721,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, LAZY_MAX)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, DEBUG))],
@@ -753,7 +733,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, LAZY_MAX)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                DEBUG, 0, 2)),
