@@ -60,7 +60,8 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES` ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES`
+    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
     `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is timed on, rows bucket -> Tile, DISPATCHED or None,
     measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
     `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches

@@ -25,7 +25,8 @@ def number(cell: str) -> float:
 
 def read(path: str) -> list[dict]:
     """The report's SASS rows (the table after the header row that starts with `Address`)."""
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     start = next(i for i, row in enumerate(rows) if row and row[0] == "Address")
     header = rows[start]
     return [dict(zip(header, row)) for row in rows[start + 1:] if len(row) == len(header)]

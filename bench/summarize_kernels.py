@@ -68,7 +68,8 @@ def summarize(path: str) -> list[str]:
         lines.append(f"{kv}: {len(ratios)} shapes; FlashInfer ({versus}) / ours = {geomean(ratios):.2f} "
                      f"(geomean), {geomean(large):.2f} at batch >= 64 and kv_len >= 4096; ours faster on "
                      f"{wins}/{len(ratios)}")
-        lines.append("  by heads (geomean): " + ", ".join(f"{h}: {geomean(r):.2f}" for h, r in sorted(by_heads.items())))
+        lines.append("  by heads (geomean): " + ", ".join(f"{h}: {geomean(r):.2f}"
+                                                       for h, r in sorted(by_heads.items())))
         if fracs:
             lines.append(f"  our roofline fraction at batch >= 64, kv_len >= 4096, heads <= 64: median "
                          f"{statistics.median(fracs):.2f}, range {min(fracs):.2f}-{max(fracs):.2f} over {len(fracs)} "
