@@ -331,6 +331,18 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
 
 
 @gluon.jit
+def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr):
+    """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot; fenced for wgmma where
+    `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously)."""
+    slot = t % STAGES
+    phase = (t // STAGES) & 1
+    mbarrier.wait(full_bars.index(slot), phase)
+    if FENCE_SLOTS:
+        fence_async_shared()
+    return slot, phase
+
+
+@gluon.jit
 def _hand_back(full_bars, empty_bars, n_tiles, STAGES: gl.constexpr):
     """Measurement mode 1 (loader alone): the MMA warps hand every slot back as soon as it is full."""
     for t in range(n_tiles):
@@ -422,10 +434,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
-        slot = t % STAGES
-        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
-            fence_async_shared()
+        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
         kl = k_lat.index(slot)
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
@@ -495,10 +504,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
-        slot = t % STAGES
-        mbarrier.wait(full_bars.index(slot), (t // STAGES) & 1)
-        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
-            fence_async_shared()
+        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
         kl = k_lat.index(slot)
         s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
@@ -581,11 +587,7 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
-        slot = t % STAGES
-        phase = (t // STAGES) & 1
-        mbarrier.wait(full_bars.index(slot), phase)
-        if FENCE_SLOTS:  # cp.async wrote the slot through the generic proxy; wgmma reads it asynchronously
-            fence_async_shared()
+        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
         kl = k_lat.index(slot)
         if WG == 0:
             s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
