@@ -284,12 +284,12 @@ HOPPER_NARROW_MIN_BATCH = {("fp8", 16): (1, 1), ("fp8", 32): (1, 1), ("16bit", 1
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
 
 
-def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, override: int | None = None) -> int:
-    """The Hopper kernel's `STAGED_LOADERS`: in the narrow FP8 form `HOPPER_STAGED_LOADERS` (or a measurement
-    `override`), 1 otherwise (no other form reads it)."""
+def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool) -> int:
+    """The Hopper kernel's `STAGED_LOADERS`: in the narrow FP8 form `HOPPER_STAGED_LOADERS`, 1 otherwise (no other
+    form reads it)."""
     if not kv_fp8 or rows >= HOPPER_SHAPE[0]:
         return 1
-    return override or HOPPER_STAGED_LOADERS[sparse]
+    return HOPPER_STAGED_LOADERS[sparse]
 
 
 # Short requests at small batches stay on the tl tiles: a batch whose longest request is shorter than
@@ -681,8 +681,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse,
-                                      override=hopper.STAGED_LOADERS),
+        STAGED_LOADERS=_switched("STAGED_LOADERS", staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse)),
         PARTIAL_EVICT_LAST=_switched("PARTIAL_EVICT_LAST", writes_partials),
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
