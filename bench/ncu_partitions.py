@@ -1,5 +1,5 @@
 """Warp-stall samples of a source-level Nsight Compute report (`REPORT=source bash bench/ncu_ab.sh`), by partition of
-the warp-specialised Hopper kernel and by instruction.
+the warp-specialised Hopper kernel, by instruction and (MMA partitions) by opcode.
 
 The SASS of a partition runs from one `USETMAXREG` (its register reallocation) to the next; a partition with HGMMA
 instructions is an MMA one, one with F2FP (the FP8 casts) or LDGSTS (`cp.async`) a loader.
@@ -73,6 +73,12 @@ def summarize(path: str, top: int) -> list[str]:
         for samples, row in hot:
             reason = max(stalls, key=lambda name: number(row[name]))[6:] if stalls else ""
             lines.append(f"    {samples:6.0f}  {row['Address']:>6s}  {row['Source'][:70]:70s}  mostly {reason}")
+        by_opcode = Counter()
+        for p, row in zip(parts, rows):
+            if p == part:
+                by_opcode[opcode(row["Source"])] += number(row[SAMPLES])
+        lines.append(f"  partition {part} MMA, samples by opcode: "
+                     + ", ".join(f"{op} {v:.0f}" for op, v in by_opcode.most_common(top)))
     return lines
 
 

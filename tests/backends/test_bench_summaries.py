@@ -79,6 +79,7 @@ def test_ncu_partitions_splits_at_register_reallocations(tmp_path):
     assert lines[3] == "  partition 2 MMA, its 2 most sampled instructions:"
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in lines[4] and lines[4].endswith("mostly barrier")
     assert "BRA 0x2000" in lines[5] and lines[5].endswith("mostly long_sb")
+    assert lines[6] == "  partition 2 MMA, samples by opcode: WARPGROUP 900, BRA 70"
 
 
 def test_ncu_partitions_refuses_a_report_that_is_not_source_level(tmp_path):
