@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+from bench_scripts import BENCH, load
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = BENCH / "kernels.py"
 
 
 def test_help_runs_without_a_gpu():
@@ -25,7 +18,7 @@ def test_help_runs_without_a_gpu():
 
 
 def test_grid_covers_the_issue_and_subsets():
-    bench = load()
+    bench = load("kernels")
     full = bench.grid(bench.parse_args([]))
     dense = [s for s in full if s[4] is None]
     sparse = [s for s in full if s[4] is not None]
@@ -40,7 +33,7 @@ def test_grid_covers_the_issue_and_subsets():
 
 
 def test_rows_format_both_outcomes():
-    bench = load()
+    bench = load("kernels")
     base = dict(kv="bf16", heads=16, batch=4, kv_len=1024, topk="-", checked="4/4",
                 backend="FLASHINFER_FA3_MLA")
     ok = bench.format_row({**base, "status": "ok", "median_us": 15.4, "ci_us": (15.2, 15.6),

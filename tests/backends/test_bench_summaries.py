@@ -4,20 +4,13 @@ README.md) and bench/ncu_partitions.py (Nsight Compute source reports by partiti
 from __future__ import annotations
 
 import csv
-import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_scripts import BENCH, load
 
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+ROOT = BENCH.parent
 
 
 def test_summary_takes_the_median_and_splits_by_heads():
