@@ -649,7 +649,7 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense")} | {("ksplit", kv, kind) for
 # 0.97-1.01 at batch 4 (H100 call 132; H200 call 134: 0.91-0.93); dense wide, once the consumer fence was gone too
 # (round 36, call 136), 0.93-0.95 at 64 heads batch 4-128 against neither change, 0.94-1.00 against the fence's removal
 # alone (with the fence, the prefetch had made that form 1.04-1.09x slower at batch 64-128, call 132). The dense k-split
-# form (the tuner's for FP8) too: 0.93-0.94 at 64 heads batch 4-128, 0.98-1.01 at 128 heads, 1.00-1.01 at batch 1 (H100
+# form (the tuner's for FP8) too: 0.926-0.939 at 64 heads batch 4-128, 0.98-1.01 at 128 heads, 1.00-1.01 at batch 1 (H100
 # call 140); its sparse form, not measured with it, goes without.
 L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("ksplit", "fp8", "dense")}
 

@@ -285,7 +285,7 @@ def test_launch_prefetches_into_l2_by_form(heads, kv_fp8, sparse, prefetch):
 
 @pytest.mark.parametrize("sparse,prefetch", [(False, True), (True, False)])
 def test_the_ksplit_fp8_form_prefetches_into_l2_where_measured(sparse, prefetch):
-    # the tuner's k-split FP8 form, dense: 0.93-0.94 of the time at 64 heads batch 4-128, 0.98-1.01 at 128 heads (H100
+    # the tuner's k-split FP8 form, dense: 0.926-0.939 of the time at 64 heads batch 4-128, 0.98-1.01 at 128 heads (H100
     # call 140); sparse not measured with it
     from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_TILE, hopper_form, params_from_tile
 
