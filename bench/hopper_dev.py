@@ -61,9 +61,8 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 
 def candidate(spec: str):
     """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES`
-    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of
-    `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is timed on, rows bucket -> Tile, DISPATCHED or None,
-    measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
+    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is
+    timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
     `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
     one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
@@ -103,15 +102,13 @@ def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
 
 def debug_time(case, adapter, mode: str) -> dict:
     """Time `adapter` in measurement mode `mode` of hopper.py (outputs are not meaningful, so not checked)."""
-    hopper.DEBUG_MODE = DEBUG_MODES[mode]
-    try:
-        prepared = adapter.prepare(case.problem, case.sets[0])
-        med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
-        return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi, "info": f" debug {mode}"}
-    except Exception as exc:  # a failure is data
-        return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    finally:
-        hopper.DEBUG_MODE = 0
+    with switched({"DEBUG_MODE": DEBUG_MODES[mode]}):
+        try:
+            prepared = adapter.prepare(case.problem, case.sets[0])
+            med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
+            return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi, "info": f" debug {mode}"}
+        except Exception as exc:  # a failure is data
+            return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def main():
