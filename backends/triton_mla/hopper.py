@@ -626,6 +626,14 @@ def _convert_partition(k8_lat, v_smem, full8, empty8, v_full, v_empty, n_tiles, 
 
 
 @gluon.jit
+def _scores8(k8_lat, k8_rope, q8_lat, q8_rope, t, zero8, S8: gl.constexpr):
+    """The split-query form's score MMAs of tile `t` (ring slot `t % S8`), issued; the accumulator's token."""
+    slot = t % S8
+    s = warpgroup_mma(k8_rope.index(slot), q8_rope.permute((1, 0)), zero8, use_acc=False, is_async=True)
+    return warpgroup_mma(k8_lat.index(slot), q8_lat.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
 def _mma_partition_split_q(q8_lat, q8_rope, k8_lat, k8_rope, v_smem, p_smem, full8, empty8, v_full, v_empty,
                            o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
                            store_o, qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
@@ -663,13 +671,19 @@ def _mma_partition_split_q(q8_lat, q8_rope, k8_lat, k8_rope, v_smem, p_smem, ful
             mbarrier.arrive(empty8.index(t % S8))
             mbarrier.wait(v_full, t & 1)
             mbarrier.arrive(v_empty)
+    # The scores of tile t + 1 are issued before tile t's softmax, so that the tensor cores work through it (the ring
+    # holds the cache's bytes, so the next tile's slot is there to read while the value slot still holds this one's).
+    if n_tiles > 0:
+        _full_slot(full8, 0, S8, True)
+    s_next = _scores8(k8_lat, k8_rope, q8_lat, q8_rope, 0, zero8, S8)
+    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
     for t in range(n_tiles if DEBUG != 1 else 0):
+        s = s_next
+        mbarrier.arrive(empty8.index(t % S8))  # its scores are done
+        if t + 1 < n_tiles:
+            _full_slot(full8, t + 1, S8, True)  # cp.async wrote it through the generic proxy
+        s_tok = _scores8(k8_lat, k8_rope, q8_lat, q8_rope, t + 1, zero8, S8)  # (after the last tile: discarded)
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks8, BLOCK_N, SPARSE)
-        slot, phase = _full_slot(full8, t, S8, True)  # cp.async wrote it through the generic proxy
-        s = warpgroup_mma(k8_rope.index(slot), q8_rope.permute((1, 0)), zero8, use_acc=False, is_async=True)
-        s = warpgroup_mma(k8_lat.index(slot), q8_lat.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(empty8.index(slot))
         visible = ok[:, None] & (pos[:, None] < visible_len8[None, :])
         s = gl.where(visible, s * col_scale[None, :], float("-inf"))
         s_hi, s_lo = gl.split(gl.reshape(s, [BLOCK_N, N_ROWS, 2]))
@@ -688,7 +702,7 @@ def _mma_partition_split_q(q8_lat, q8_rope, k8_lat, k8_rope, v_smem, p_smem, ful
         # keeps the 32 loop-invariant descriptors of `v^T` live across the loop and spills them)
         acc = warpgroup_mma(v_smem.index(t * (seq_len >> 31)).permute((1, 0)), p_smem.permute((1, 0)), acc,
                             is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_tok))
         mbarrier.arrive(v_empty)
 
     l_i = gl.convert_layout(gl.sum(l_acc, 0), rows_o)
