@@ -5,8 +5,7 @@
 # every one).
 # Usage (device root): OUT=dir NAME=h100-call37 [FORM=wide_ks] [GRID=1] [AB_ARGS="..."] [DEBUG_MODES="..."] \
 #   [TEST_K="..."] bash bench/hopper_call.sh
-# FORM: the form the smoke cases run in (`_params`' form, "wide" by default; "wide_ks" for the k-split form,
-# "narrow_sq" for the split-query form).
+# FORM: the form the smoke cases run in (`_params`' form, "wide" by default; "wide_ks" for the k-split form).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
@@ -23,7 +22,7 @@ import pytest
 sys.path.insert(0, "tests/backends")
 import torch
 from test_triton_mla import _run_case
-from test_triton_mla_hopper import _form_switches, _params
+from test_triton_mla_hopper import _params
 from mla_tune.backends.problem import Problem, Shape
 cases = [("bf16", 64, 1, 64, None), ("fp8_e4m3", 64, 1, 64, None), ("bf16", 20, 2, 16, None),
          ("fp8_e4m3", 3, 2, 128, None), ("bf16", 128, 1, 1, 2048), ("fp8_e4m3", 16, 2, 64, 2048)]
@@ -39,9 +38,8 @@ for kv, heads, q_len, page, topk in cases:
         print(kv, heads, q_len, page, topk, "skipped:", exc, flush=True)
         continue
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=page, q_len=q_len, topk=topk)
-    with _form_switches(os.environ.get("FORM", "wide")):
-        r = _run_case(problem, Shape(batch, 5000), device="cuda", params=params,
-                      seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
+    r = _run_case(problem, Shape(batch, 5000), device="cuda", params=params,
+                  seq_lens=None if topk else [max(n, q_len) if n else 0 for n in lens])
     print(kv, heads, q_len, page, topk, params.label(), r, f"{time.time() - t:.1f}s", flush=True)
 PY
 if [ -n "${GRID:-}" ]; then  # the official grids with FlashInfer, on the shipped defaults

@@ -87,11 +87,6 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): True runs the narrow FP8 form as the split-query form
-# (`_mma_partition_split_q`: e4m3 scores straight from the cache's bytes). None in production: off.
-SPLIT_Q = None
-SPLIT_Q_LOAD_REGS = gl.constexpr(56)      # the split-query form's cp.async loader
-SPLIT_Q_CONVERT_REGS = gl.constexpr(128)  # its converter: one tile's 512 latent e4m3 columns in registers
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -107,12 +102,7 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
 def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
           N_ROWS: gl.constexpr = ROWS):
     """(query token, head, valid) of the program's `N_ROWS` rows, in `layout`."""
-    return _rows_of(gl.arange(0, N_ROWS, layout=layout), pid_m, num_heads, Q_LEN, SPARSE, N_ROWS)
-
-
-@gluon.jit
-def _rows_of(rows, pid_m, num_heads, Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr):
-    """(query token, head, valid) of the program's rows `rows` (indices below `N_ROWS`, in any layout)."""
+    rows = gl.arange(0, N_ROWS, layout=layout)
     if SPARSE:
         head_blocks = gl.cdiv(num_heads, N_ROWS)
         h = (pid_m % head_blocks) * N_ROWS + rows
@@ -552,172 +542,6 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
 
 
 @gluon.jit
-def _store_query_split(q_ptr, q8_lat, q8_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh,
-                       Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """The split-query form's query: row `2 r` of `q8_lat` / `q8_rope` holds the e4m3 `hi = rn(q sc)` of packed row
-    `r`, row `2 r + 1` its remainder `lo = rn(16 (q sc - hi))`, with `sc` a power of two per row that puts its
-    largest value in (224, 448]. `hi + lo / 16` is `q sc` to within 2^-8 of each value (each rounding keeps four
-    significant bits). Returns `sc` per q8 row (`[2 N_ROWS]`, both rows of a packed row hold its scale). Fenced for
-    wgmma."""
-    R2: gl.constexpr = 2 * N_ROWS
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    rows8 = gl.arange(0, R2, layout=gl.SliceLayout(1, layout))
-    qi, h, row_ok = _rows_of(rows8 // 2, pid_m, num_heads, Q_LEN, SPARSE, N_ROWS)
-    q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
-    lat = gl.load(q_row[:, None] + gl.arange(0, 512, layout=gl.SliceLayout(0, layout))[None, :],
-                  mask=row_ok[:, None], other=0.0).to(gl.float32)
-    rope = gl.load(q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :],
-                   mask=row_ok[:, None], other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.max(gl.abs(lat), 1), gl.max(gl.abs(rope), 1))
-    sc = gl.where(amax > 0.0, gl.exp2(gl.floor(gl.log2(448.0 / gl.where(amax > 0.0, amax, 1.0)))), 1.0)
-    is_lo = (rows8 % 2 == 1)[:, None]
-    lat = lat * sc[:, None]
-    hi = lat.to(gl.float8e4nv)
-    q8_lat.store(gl.where(is_lo, ((lat - hi.to(gl.float32)) * 16.0).to(gl.float8e4nv), hi))
-    rope = rope * sc[:, None]
-    hi = rope.to(gl.float8e4nv)
-    q8_rope.store(gl.where(is_lo, ((rope - hi.to(gl.float32)) * 16.0).to(gl.float8e4nv), hi))
-    fence_async_shared()
-    return sc
-
-
-@gluon.jit
-def _load_partition_ring8(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                          k8_lat, k8_rope, full8, empty8, BLOCK_N: gl.constexpr, S8: gl.constexpr,
-                          PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr):
-    """The split-query form's loader: `cp.async` of each tile's e4m3 rows, as they are, into ring slot `t % S8`
-    once the MMA warpgroup and the converter both released it; every thread's arrival completes the slot's barrier
-    when its copies land (as the 16-bit loader)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt, layout, BLOCK_N,
-                         PAGE_SIZE, SPARSE)
-    for t in range(n_tiles):
-        slot = t % S8
-        mbarrier.wait(empty8.index(slot), ((t // S8) & 1) ^ 1)
-        if DEBUG != 2:
-            _copy_tile(k8_lat.index(slot), k8_rope.index(slot), row, ok, layout)
-        async_copy.mbarrier_arrive(full8.index(slot), increment_count=False)
-        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp,
-                             stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-
-
-@gluon.jit
-def _convert_partition(k8_lat, v_smem, full8, empty8, v_full, v_empty, n_tiles, S8: gl.constexpr,
-                       DEBUG: gl.constexpr):
-    """The split-query form's converter warpgroup: each tile's 512 latent e4m3 columns from its ring slot into
-    registers (then the slot is released on its side), cast to fp16 and stored into the one value slot once the
-    MMA warpgroup's `p @ v` of the previous tile is done."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    for t in range(n_tiles):
-        slot = t % S8
-        mbarrier.wait(full8.index(slot), (t // S8) & 1)
-        src = k8_lat.index(slot)
-        xs = (src.slice(0, 64, dim=1).load(layout), src.slice(64, 64, dim=1).load(layout),
-              src.slice(128, 64, dim=1).load(layout), src.slice(192, 64, dim=1).load(layout),
-              src.slice(256, 64, dim=1).load(layout), src.slice(320, 64, dim=1).load(layout),
-              src.slice(384, 64, dim=1).load(layout), src.slice(448, 64, dim=1).load(layout))
-        mbarrier.arrive(empty8.index(slot))
-        mbarrier.wait(v_empty, (t & 1) ^ 1)
-        if DEBUG != 2:
-            for c in gl.static_range(8):
-                v_smem.index(0).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
-            fence_async_shared()
-        mbarrier.arrive(v_full)
-
-
-@gluon.jit
-def _scores8(k8_lat, k8_rope, q8_lat, q8_rope, t, zero8, S8: gl.constexpr):
-    """The split-query form's score MMAs of tile `t` (ring slot `t % S8`), issued; the accumulator's token."""
-    slot = t % S8
-    s = warpgroup_mma(k8_rope.index(slot), q8_rope.permute((1, 0)), zero8, use_acc=False, is_async=True)
-    return warpgroup_mma(k8_lat.index(slot), q8_lat.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _mma_partition_split_q(q8_lat, q8_rope, k8_lat, k8_rope, v_smem, p_smem, full8, empty8, v_full, v_empty,
-                           o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
-                           store_o, qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                           stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
-                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, S8: gl.constexpr, Q_LEN: gl.constexpr,
-                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, EVICT_LAST: gl.constexpr = False):
-    """The split-query form's MMA warpgroup (the narrow form's transposed products): the scores as one e4m3 wgmma
-    chain straight from the cache's bytes in the ring slot, `s^T = k8 q8^T` (m64, n = 2 N_ROWS: each packed row's
-    `hi` and `lo` side by side), `hi + lo / 16` per row, scaled back by its `sc`; the online softmax as in the narrow
-    form; then `o^T = v^T p^T` in fp16 from the value slot the converter filled."""
-    sc8 = _store_query_split(q_ptr, q8_lat, q8_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, Q_LEN,
-                             SPARSE, N_ROWS, 4)
-    R2: gl.constexpr = 2 * N_ROWS
-    s8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, R2, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, N_ROWS, 16])
-    toks8: gl.constexpr = gl.SliceLayout(1, s8_layout)
-    cols8: gl.constexpr = gl.SliceLayout(0, s8_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-    c8 = gl.arange(0, R2, layout=cols8)
-    qi8, _, _ = _rows_of(c8 // 2, pid_m, num_heads, Q_LEN, SPARSE, N_ROWS)
-    visible_len8 = seq_len - Q_LEN + 1 + qi8
-    # per q8 row: back from `sc` (and, for `lo`, from its factor 16) to base-2 logits of the dequantised keys
-    col_scale = qk_scale / gl.convert_layout(sc8, cols8) * gl.where(c8 % 2 == 1, 0.0625, 1.0)
-    zero8 = gl.zeros([BLOCK_N, R2], gl.float32, s8_layout)
-    zero_h, zero_l = gl.split(gl.reshape(zero8, [BLOCK_N, N_ROWS, 2]))
-    m_i = gl.max(zero_h, 0) + float("-inf")
-    l_acc = zero_h
-    acc = gl.zeros([512, N_ROWS], gl.float32, o_layout)
-    if DEBUG == 1:  # the loader and the converter alone: every slot handed straight back
-        for t in range(n_tiles):
-            mbarrier.wait(full8.index(t % S8), (t // S8) & 1)
-            mbarrier.arrive(empty8.index(t % S8))
-            mbarrier.wait(v_full, t & 1)
-            mbarrier.arrive(v_empty)
-    # The scores of tile t + 1 are issued before tile t's softmax, so that the tensor cores work through it (the ring
-    # holds the cache's bytes, so the next tile's slot is there to read while the value slot still holds this one's).
-    if n_tiles > 0:
-        _full_slot(full8, 0, S8, True)
-    s_next = _scores8(k8_lat, k8_rope, q8_lat, q8_rope, 0, zero8, S8)
-    s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
-    for t in range(n_tiles if DEBUG != 1 else 0):
-        s = s_next
-        mbarrier.arrive(empty8.index(t % S8))  # its scores are done
-        if t + 1 < n_tiles:
-            _full_slot(full8, t + 1, S8, True)  # cp.async wrote it through the generic proxy
-        s_tok = _scores8(k8_lat, k8_rope, q8_lat, q8_rope, t + 1, zero8, S8)  # (after the last tile: discarded)
-        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks8, BLOCK_N, SPARSE)
-        visible = ok[:, None] & (pos[:, None] < visible_len8[None, :])
-        s = gl.where(visible, s * col_scale[None, :], float("-inf"))
-        s_hi, s_lo = gl.split(gl.reshape(s, [BLOCK_N, N_ROWS, 2]))
-        s = s_hi + s_lo
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :]).to(gl.float16)
-        m_i = m_new
-        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-        p_smem.permute((1, 0)).store(p)
-        fence_async_shared()
-        acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
-        mbarrier.wait(v_full, t & 1)
-        # (`v_smem` is `[1, BLOCK_N, 512]`, indexed by a zero the compiler cannot prove: with a constant slot it
-        # keeps the 32 loop-invariant descriptors of `v^T` live across the loop and spills them)
-        acc = warpgroup_mma(v_smem.index(t * (seq_len >> 31)).permute((1, 0)), p_smem.permute((1, 0)), acc,
-                            is_async=True)
-        acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_tok))
-        mbarrier.arrive(v_empty)
-
-    l_i = gl.convert_layout(gl.sum(l_acc, 0), rows_o)
-    m_o = gl.convert_layout(m_i, rows_o)
-    qi, h, ok = _rows(pid_m, num_heads, rows_o, Q_LEN, SPARSE, N_ROWS)
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(1, o_layout))
-    o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
-    inv_l = _inv_sums(l_i, out_scale)
-    _store_out(o_row[None, :] + cols[:, None], (acc * inv_l[None, :]).to(o_ptr.dtype.element_ty),
-               (ok & store_o)[None, :] & (cols[:, None] < 512), EVICT_LAST)
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
-             _lse(m_o, l_i), mask=ok)
-
-
-@gluon.jit
 def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
                       o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                       qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
@@ -824,7 +648,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    SPLIT_Q: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -848,146 +671,115 @@ def _mla_hopper_kernel(
     if KV_FP8:
         qk_scale = qk_scale / q_scale  # the query was scaled by q_scale before its fp16 rounding
 
+    # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
+    # partitions start or (QUERY_IN_CONSUMER) by the MMA warps themselves, while the loader already streams KV tiles.
+    mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
+    q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
+    if not QUERY_IN_CONSUMER:
+        _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                     SPARSE, N_ROWS, KV_FP8, gl.num_warps())
+
+    # Whether the MMA warps fence a full slot for wgmma: always after cp.async (16-bit caches); the FP8 loaders store
+    # through registers and fence their own stores before they arrive, so there only with CONSUMER_FENCE (round 36).
+    FENCE_SLOTS: gl.constexpr = CONSUMER_FENCE or not KV_FP8
+    k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
+    k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
+    full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                      else LOAD_WARPS * 32)
+        mbarrier.init(empty_bars.index(i), count=2 if KSPLIT else 1)
+
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
-    if N_ROWS < ROWS and KV_FP8 and SPLIT_Q:
-        # the split-query form: e4m3 scores from a ring of `STAGES + 1` slots of the cache's bytes, one fp16 value slot
-        S8: gl.constexpr = STAGES + 1
-        R2: gl.constexpr = 2 * N_ROWS
-        q8_lat = gl.allocate_shared_memory(gl.float8e4nv, [R2, 512], gl.NVMMASharedLayout(128, 8, rank=2))
-        q8_rope = gl.allocate_shared_memory(gl.float8e4nv, [R2, 64], gl.NVMMASharedLayout(64, 8, rank=2))
-        k8_lat = gl.allocate_shared_memory(gl.float8e4nv, [S8, BLOCK_N, 512], gl.NVMMASharedLayout(128, 8, rank=2))
-        k8_rope = gl.allocate_shared_memory(gl.float8e4nv, [S8, BLOCK_N, 64], gl.NVMMASharedLayout(64, 8, rank=2))
-        v_smem = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, 512], gl.NVMMASharedLayout(128, 16, rank=2))
-        p8_smem = gl.allocate_shared_memory(gl.float16, [N_ROWS, BLOCK_N], gl.NVMMASharedLayout(128, 16, rank=2))
-        full8 = gl.allocate_shared_memory(gl.int64, [S8, 1], mbarrier.MBarrierLayout())
-        empty8 = gl.allocate_shared_memory(gl.int64, [S8, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(S8):
-            mbarrier.init(full8.index(i), count=LOAD_WARPS * 32)
-            mbarrier.init(empty8.index(i), count=2)  # the MMA warpgroup's scores and the converter's loads
-        mbarrier.init(v_full, count=1)
-        mbarrier.init(v_empty, count=1)
+    if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
+        p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
+        if KV_FP8:
+            stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
+    if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
-            (_mma_partition_split_q, (q8_lat, q8_rope, k8_lat, k8_rope, v_smem, p8_smem, full8, empty8, v_full,
-                                      v_empty, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start,
-                                      end, n_tiles, store_o, sm_scale_log2 * kv_scale, kv_scale, stride_ob, stride_os,
-                                      stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, q_ptr,
-                                      stride_qb, stride_qt, stride_qh, N_ROWS, BLOCK_N, S8, Q_LEN, SPARSE, DEBUG,
-                                      PARTIAL_EVICT_LAST)),
-            (_load_partition_ring8, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                     k8_lat, k8_rope, full8, empty8, BLOCK_N, S8, PAGE_SIZE, SPARSE, DEBUG)),
-            (_convert_partition, (k8_lat, v_smem, full8, empty8, v_full, v_empty, n_tiles, S8, DEBUG))],
-            [LOAD_WARPS, LOAD_WARPS], [SPLIT_Q_LOAD_REGS, SPLIT_Q_CONVERT_REGS])
-    else:
-        # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
-        # partitions start or (QUERY_IN_CONSUMER) by the MMA warps themselves, while the loader already streams KV tiles.
-        mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
-        q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
-        if not QUERY_IN_CONSUMER:
-            _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
-                         SPARSE, N_ROWS, KV_FP8, gl.num_warps())
-
-        # Whether the MMA warps fence a full slot for wgmma: always after cp.async (16-bit caches); the FP8 loaders store
-        # through registers and fence their own stores before they arrive, so there only with CONSUMER_FENCE (round 36).
-        FENCE_SLOTS: gl.constexpr = CONSUMER_FENCE or not KV_FP8
-        k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
-        k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
-        full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
+            (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
+            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    elif N_ROWS < ROWS and KV_FP8:
+        gl.warp_specialize([
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, DEBUG))],
+            [LOAD_WARPS], [LOAD_REGS])
+    elif N_ROWS < ROWS:
+        gl.warp_specialize([
+            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
+                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG, 0, 2)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG, 1, 2))],
+            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    elif KSPLIT:
+        # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
+        x1 = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK_N], smem_layout)
+        x0_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        x1_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        x1_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
-            mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
-                          else LOAD_WARPS * 32)
-            mbarrier.init(empty_bars.index(i), count=2 if KSPLIT else 1)
-
-        if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
-            p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-            if KV_FP8:
-                stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
-                                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-        if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
-            gl.warp_specialize([
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                         topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                         qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                         stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                         N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                         FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-                (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                          stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                          PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
-                (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                          stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                          PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
-                [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-        elif N_ROWS < ROWS and KV_FP8:
-            gl.warp_specialize([
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                         topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                         qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                         stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                         N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                         FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-                (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                          stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                          PAGE_SIZE, SPARSE, DEBUG))],
-                [LOAD_WARPS], [LOAD_REGS])
-        elif N_ROWS < ROWS:
-            gl.warp_specialize([
-                (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                         topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                         qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                         stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                         N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                         FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-                (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                   k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                                   DEBUG, 0, 2)),
-                (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                   k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                                   DEBUG, 1, 2))],
-                [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-        elif KSPLIT:
-            # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
-            x1 = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK_N], smem_layout)
-            x0_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            x1_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            x1_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(x0_bars.index(i), count=1)
-                mbarrier.init(x1_bars.index(i), count=1)
-            mbarrier.init(x1_free, count=1)
-            gl.warp_specialize([
-                (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
-                                     o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
-                                     store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                     BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-                (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
-                                     o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
-                                     store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                     BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-                (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                   k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                                   DEBUG, 0, 1, L2_PREFETCH))],
-                [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
-        else:
-            LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG  # modes 4-5 time the MMA warps alone, in parts
-            gl.warp_specialize([
-                (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
-                                  pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
-                                  kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                                  stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, BLOCK_N,
-                                  STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS,
-                                  PARTIAL_EVICT_LAST)),
-                (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                   k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                                   LOADER_DEBUG, 0, 1, L2_PREFETCH))],
-                [LOAD_WARPS], [LOAD_REGS])
+            mbarrier.init(x0_bars.index(i), count=1)
+            mbarrier.init(x1_bars.index(i), count=1)
+        mbarrier.init(x1_free, count=1)
+        gl.warp_specialize([
+            (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
+                                 o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
+                                 store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                 stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                 BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
+                                 FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
+                                 o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
+                                 store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
+                                 stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                                 BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
+                                 FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               DEBUG, 0, 1, L2_PREFETCH))],
+            [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
+    else:
+        LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG  # modes 4-5 time the MMA warps alone, in parts
+        gl.warp_specialize([
+            (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
+                              pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
+                              kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                              stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, BLOCK_N,
+                              STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS,
+                              PARTIAL_EVICT_LAST)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
+            [LOAD_WARPS], [LOAD_REGS])

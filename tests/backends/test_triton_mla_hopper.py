@@ -8,7 +8,6 @@ warp-specialised parameters.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
@@ -71,24 +70,6 @@ def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
     # one MMA warpgroup and its loaders: two for 16-bit caches and for sparse FP8 (one half tile each)
     loaders = 1 if kv == "fp8" and not sparse else 2
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(128 * (1 + loaders))
-    assert _spill_bytes(report) <= 64, report
-
-
-@pytest.mark.parametrize("sparse,q_len,rows", [(False, 1, 16), (False, 2, 32), (True, 2, 16), (True, 1, 32)])
-def test_hopper_split_query_form_compiles_for_sm90a(sparse, q_len, rows):
-    from offline_compile import hopper_compile
-
-    ptx, smem, report = hopper_compile(kv="fp8", sparse=sparse, q_len=q_len, page_size=1 if sparse else 64, rows=rows,
-                                       SPLIT_Q=True)
-    assert smem <= SMEM_LIMIT, smem
-    # per tile the scores as 18 e4m3 MMAs (k 576 in steps of 32; n: each row's hi and lo; once more for the first
-    # tile, before the loop), o^T = v^T p^T in fp16
-    scores = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32)\.f32\.e4m3\.e4m3", ptx)
-    values = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.f16\.f16", ptx)
-    assert scores == [f"m64n{2 * rows}k32"] * 36 and values == [f"m64n{rows}k16"] * 32, (scores[:2], values[:2])
-    # the loader copies the bytes as they are; only the converter casts them
-    assert "cp.async.cg.shared.global" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
-    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(128 * 3), "MMA warpgroup, loader, converter"
     assert _spill_bytes(report) <= 64, report
 
 
@@ -359,9 +340,7 @@ def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, 
 
     rows = heads if sparse else heads * q_len
     tile = HOPPER_KSPLIT_TILE if form == "wide_ks" else HOPPER_TILE
-    if form == "narrow_sq" and kv_dtype != "fp8_e4m3":
-        pytest.skip("the split-query form takes an FP8 cache")
-    if form in ("narrow", "narrow_sq"):
+    if form == "narrow":
         if rows > 32:
             pytest.skip("the narrow form takes up to 32 rows")
         tile = HOPPER_TILES[rows_bucket(rows)]
@@ -371,21 +350,8 @@ def _params(kv_dtype, *, heads, q_len, batch, max_items, lengths, sparse=False, 
 
 GPU_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 # 64 rows, two MMA warpgroups; the same with the scores split over k (`HOPPER_KSPLIT_TILE`); up to 32 rows, one
-# MMA warpgroup on transposed products; the same with e4m3 scores from a split query (`hopper.SPLIT_Q`, FP8 only)
-FORMS = ("wide", "wide_ks", "narrow", "narrow_sq")
-
-
-@contextlib.contextmanager
-def _form_switches(form: str):
-    """hopper.py's measurement switch that `form` needs (`SPLIT_Q` for "narrow_sq"), set inside the block."""
-    from mla_tune.backends.triton_mla import hopper
-
-    saved = hopper.SPLIT_Q
-    hopper.SPLIT_Q = True if form == "narrow_sq" else saved
-    try:
-        yield
-    finally:
-        hopper.SPLIT_Q = saved
+# MMA warpgroup on transposed products
+FORMS = ("wide", "wide_ks", "narrow")
 
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the warp-specialised kernel needs an SM90 GPU")
 
@@ -402,8 +368,7 @@ def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size, form):
     lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
     params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens, form=form)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, q_len=q_len)
-    with _form_switches(form):
-        r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
+    r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
     assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
     assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
 
@@ -421,8 +386,7 @@ def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len, form):
     lens = ragged_lengths(Shape(batch, kv_len), page_size=64, min_len=q_len, seed=7)
     params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=kv_len, lengths=lens, form=form)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, q_len=q_len)
-    with _form_switches(form):
-        r = _run_case(problem, Shape(batch, kv_len), device="cuda", params=params)
+    r = _run_case(problem, Shape(batch, kv_len), device="cuda", params=params)
     assert not r["nan"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
 
 
@@ -438,8 +402,7 @@ def test_gpu_hopper_sparse_topk2048(kv_dtype, q_len, heads, page_size, form):
     params = _params(kv_dtype, heads=heads, q_len=q_len, batch=batch, max_items=2048, lengths=[2048] * batch,
                      sparse=True, form=form)
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, topk=2048, q_len=q_len)
-    with _form_switches(form):
-        r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
+    r = _run_case(problem, Shape(batch, 2500), device="cuda", params=params)
     assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
 
 
