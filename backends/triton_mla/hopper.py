@@ -65,9 +65,10 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 
 # Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
 # back), 2 = the MMA warps alone (the loader copies nothing), 3 = (token-split wide form only) no row max across
-# the warpgroups and no row sums (wrong results); the token-split wide form's MMA warps alone, in parts (the loader
-# copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone. 0 in production.
-DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5}
+# the warpgroups and no row sums (wrong results); the token-split wide and the narrow form's MMA warps alone, in parts
+# (the loader copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone, 6 = (narrow form only) `p @ v` alone.
+# 0 in production.
+DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
@@ -500,32 +501,43 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
+    s_sum = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)  # (measurement mode 5 only)
     if DEBUG == 1:
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
         slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
         kl = k_lat.index(slot)
-        s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
-        m_i = m_new
-        # The row sums of the rounded p that `o^T = v^T p^T` multiplies, kept per token and reduced over the
-        # tokens (across the four warps) once, after the loop, not per tile (round 21: 0.93-0.95 of the time at
-        # FP8 batch 128 kv 16k, device call 77).
-        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-        p_smem.permute((1, 0)).store(p)
-        fence_async_shared()
-        acc = acc * alpha[None, :]
-        acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if DEBUG == 6:  # `o^T = v^T p^T` alone (p^T: whatever `p_smem` holds)
+            acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:
+            s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if DEBUG == 5:  # the score MMAs alone (kept alive by a sum in registers, reduced once after the loop)
+                s_sum = s_sum + s
+            else:
+                visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
+                s = gl.where(visible, s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
+                m_i = m_new
+                # The row sums of the rounded p that `o^T = v^T p^T` multiplies, kept per token and reduced over the
+                # tokens (across the four warps) once, after the loop, not per tile (round 21: 0.93-0.95 of the time
+                # at FP8 batch 128 kv 16k, device call 77).
+                l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
+                p_smem.permute((1, 0)).store(p)
+                fence_async_shared()
+                acc = acc * alpha[None, :]
+                if DEBUG != 4:  # 4: no `p @ v`
+                    acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty_bars.index(slot))
+    if DEBUG == 5:
+        m_i = gl.max(s_sum, 0)
 
     # Epilogue: the partial (or final) output, transposed (each lane's values of one row are 8 columns apart
     # from its neighbours', so the stores still fill 32-byte sectors), and the LSE.
@@ -701,6 +713,7 @@ def _mla_hopper_kernel(
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
+    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG  # modes 4-6 time the MMA warps alone, in parts
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
@@ -711,10 +724,10 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, DEBUG, 0, 1)),
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, DEBUG, 1, 1))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -726,7 +739,7 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, DEBUG))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([
@@ -738,10 +751,10 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 2)),
+                               LOADER_DEBUG, 0, 2)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 1, 2))],
+                               LOADER_DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif KSPLIT:
         # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
@@ -771,7 +784,6 @@ def _mla_hopper_kernel(
                                DEBUG, 0, 1, L2_PREFETCH))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
-        LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG  # modes 4-5 time the MMA warps alone, in parts
         gl.warp_specialize([
             (_mma_partition, (q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, lse_ptr, topk_row,
                               pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o, qk_scale,
