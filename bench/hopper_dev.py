@@ -44,8 +44,7 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
-NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2},
-          "pipe": {"PIPELINE_SCORES": True}}
+NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
 # Candidates of the dispatched tile (`default_params` on this GPU) with measurement switches of hopper.py or launch.py.
 SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False},
             "cmb1": {"COMBINE_SPLITS_AT_ONCE": 1}, "cmb8": {"COMBINE_SPLITS_AT_ONCE": 8},
@@ -66,8 +65,7 @@ def candidate(spec: str):
     timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
     `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
-    one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each), or issuing the next tile's scores
-    before the softmax ('pipe')."""
+    one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
     if rest in SWITCHES:
         return kind, lambda bucket: DISPATCHED, SWITCHES[rest]

@@ -88,9 +88,6 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): True makes the narrow form's MMA warpgroup issue tile t + 1's score MMAs
-# before tile t's softmax (`_mma_partition_narrow`'s PIPELINE). None in production: off.
-PIPELINE_SCORES = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -483,7 +480,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, KV_FP8: gl.constexpr,
                           QUERY_IN_CONSUMER: gl.constexpr, FENCE_SLOTS: gl.constexpr,
-                          EVICT_LAST: gl.constexpr = False, PIPELINE: gl.constexpr = False):
+                          EVICT_LAST: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
     in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
@@ -507,39 +504,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
     s_sum = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)  # (measurement mode 5 only)
     if DEBUG == 1:
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-    if PIPELINE:
-        # Measurement (`PIPELINE_SCORES`): tile t + 1's score MMAs issued before tile t's softmax, so the tensor cores
-        # work through it; the MMA warpgroup then holds both slots until tile t's `p @ v` is done.
-        if n_tiles > 0:
-            _full_slot(full_bars, 0, STAGES, FENCE_SLOTS)
-        s_next = warpgroup_mma(k_rope.index(0), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_next = warpgroup_mma(k_lat.index(0), q_lat.permute((1, 0)), s_next, is_async=True)
-        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
-        for t in range(n_tiles if DEBUG != 1 else 0):
-            s = s_next
-            slot = t % STAGES
-            kl = k_lat.index(slot)
-            if t + 1 < n_tiles:
-                _full_slot(full_bars, t + 1, STAGES, FENCE_SLOTS)
-            nxt = (t + 1) % STAGES  # (after the last tile: scores of whatever the slot holds, discarded)
-            s_tok = warpgroup_mma(k_rope.index(nxt), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_tok = warpgroup_mma(k_lat.index(nxt), q_lat.permute((1, 0)), s_tok, is_async=True)
-            pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
-            visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
-            s = gl.where(visible, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
-            m_i = m_new
-            l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-            p_smem.permute((1, 0)).store(p)
-            fence_async_shared()
-            acc = acc * alpha[None, :]
-            acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-            acc, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_tok))
-            mbarrier.arrive(empty_bars.index(slot))
-    for t in range(n_tiles if DEBUG != 1 and not PIPELINE else 0):
+    for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
         slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
         kl = k_lat.index(slot)
@@ -695,7 +660,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    PIPELINE_SCORES: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -757,7 +721,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, PIPELINE_SCORES)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1)),
@@ -772,7 +736,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, PIPELINE_SCORES)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, LOADER_DEBUG))],
@@ -784,7 +748,7 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, PIPELINE_SCORES)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 0, 2)),
