@@ -713,7 +713,12 @@ def _mla_hopper_kernel(
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG  # modes 4-6 time the MMA warps alone, in parts
+    # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 in the token-split wide form, 4-6 in the narrow
+    # form; in modes 4-6 the loaders copy nothing (as in mode 2).
+    NARROW: gl.constexpr = N_ROWS < ROWS
+    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4) or (not NARROW and not KSPLIT and DEBUG <= 5),
+                     "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
+    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
@@ -781,7 +786,7 @@ def _mla_hopper_kernel(
                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               DEBUG, 0, 1, L2_PREFETCH))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([

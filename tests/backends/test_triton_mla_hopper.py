@@ -98,6 +98,34 @@ def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size):
     assert _spill_bytes(report) <= (384 if sparse else 64), report
 
 
+@pytest.mark.parametrize("rows,mode,mmas", [
+    (32, "mma_only", 36 + 32), (32, "mma_no_pv", 36), (32, "mma_scores", 36), (32, "mma_pv", 32),
+    (64, "mma_no_pv", 36), (64, "mma_scores", 36)])
+def test_measurement_modes_time_the_mma_warps_in_parts(rows, mode, mmas):
+    # hopper.DEBUG_MODES 4-6 (bench/hopper_dev.py --debug): the MMA warps run only their part (per tile 36 score MMAs,
+    # k 576, and 32 for `p @ v` in the narrow form; the wide form's score MMAs without its `p @ v`), the loaders copy
+    # nothing (no cp.async of the cache, no casts)
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    ptx, _, report = hopper_compile(kv="fp8", rows=rows, DEBUG=DEBUG_MODES[mode])
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == mmas
+    assert "cp.async.cg.shared.global" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx
+    assert _spill_bytes(report) <= 64, report
+
+
+@pytest.mark.parametrize("rows,ksplit,mode", [(64, False, "mma_pv"), (64, True, "mma_no_pv"), (32, False, "no_reductions")])
+def test_a_form_refuses_a_measurement_mode_it_does_not_have(rows, ksplit, mode):
+    from offline_compile import hopper_compile
+    from triton.compiler.errors import CompilationError
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    with pytest.raises(CompilationError, match="no such measurement mode"):
+        hopper_compile(kv="fp8", rows=rows, ksplit=ksplit, DEBUG=DEBUG_MODES[mode])
+
+
 @pytest.mark.parametrize("rows,ksplit", [(64, False), (32, False), (64, True)])
 def test_split_partials_are_stored_with_an_l2_evict_last_hint(rows, ksplit):
     # every form's epilogue: with PARTIAL_EVICT_LAST (launch sets it with more than one split) the output stores
