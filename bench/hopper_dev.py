@@ -61,12 +61,17 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 
 def candidate(spec: str):
     """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES`
-    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...) -> (KV kind it is
+    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
+    '@' and a measurement mode of hopper.py for its runs alone ('fp8:dflt@decoupled') -> (KV kind it is
     timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
     `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
     one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
+    if "@" in rest:  # a measurement mode of hopper.py for this candidate alone ('fp8:dflt@decoupled')
+        rest, _, mode = rest.partition("@")
+        ckind, tile_for, switches = candidate(f"{kind}:{rest}")
+        return ckind, tile_for, {**switches, "DEBUG_MODE": DEBUG_MODES[mode]}
     if rest in SWITCHES:
         return kind, lambda bucket: DISPATCHED, SWITCHES[rest]
     if rest in NARROW:
@@ -97,16 +102,20 @@ def switched(switches: dict):
 def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
     """`check_and_time` (or `debug_time` in a measurement mode) with the measurement `switches` set (`switched`)."""
     with switched(switches):
-        return debug_time(case, adapter, debug) if debug else check_and_time(case, adapter)
+        if debug or switches.get("DEBUG_MODE"):
+            return debug_time(case, adapter, debug)
+        return check_and_time(case, adapter)
 
 
-def debug_time(case, adapter, mode: str) -> dict:
-    """Time `adapter` in measurement mode `mode` of hopper.py (outputs are not meaningful, so not checked)."""
-    with switched({"DEBUG_MODE": DEBUG_MODES[mode]}):
+def debug_time(case, adapter, mode: str | None) -> dict:
+    """Time `adapter` in measurement mode `mode` of hopper.py, or in the one its candidate's switches set (None)
+    (outputs are not meaningful, so not checked)."""
+    with switched({"DEBUG_MODE": DEBUG_MODES[mode]} if mode else {}):
         try:
             prepared = adapter.prepare(case.problem, case.sets[0])
             med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
-            return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi, "info": f" debug {mode}"}
+            return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi,
+                    "info": f" debug {mode or hopper.DEBUG_MODE}"}
         except Exception as exc:  # a failure is data
             return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
 

@@ -66,9 +66,11 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # Measurement only (bench/hopper_dev.py): 1 = the loader alone (the MMA warps hand every slot straight
 # back), 2 = the MMA warps alone (the loader copies nothing), 3 = (token-split wide form only) no row max across
 # the warpgroups and no row sums (wrong results); the token-split wide and the narrow form's MMA warps alone, in parts
-# (the loader copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone, 6 = (narrow form only) `p @ v` alone.
-# 0 in production.
-DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6}
+# (the loader copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone, 6 = (narrow form only) `p @ v` alone;
+# 7 = (token-split wide and narrow forms) decoupled: both sides run in full, but neither waits for the other's barriers
+# (wrong results; the time with the two sharing the SM but not waiting on each other). 0 in production.
+DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
+               "decoupled": 7}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
@@ -258,7 +260,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
     for t in range(FIRST, n_tiles, STRIDE):
         slot = t % STAGES
-        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        if DEBUG != 7:  # 7: the loader does not wait for the MMA warps (measurement)
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
             if DEBUG != 2:
                 # Written out, not through `_store_chunks`: the same stores through that helper compile to the
@@ -279,6 +282,9 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
         if PREFETCH and KV_FP8 and DEBUG != 2:
             if t + STRIDE < n_tiles:
                 _prefetch_rows(row, ok, kv_ptr)  # the next tile's lines, while this loader waits for a slot
+    if DEBUG == 7 and not KV_FP8:
+        async_copy.commit_group()  # (mode 7: no MMA warp waited for these copies to land before the program exits)
+        async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -315,7 +321,8 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
             _stage_half(stage, j, row, ok, cols)
     for t in range(n_tiles):
         slot = t % STAGES
-        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        if DEBUG != 7:  # 7: the loader does not wait for the MMA warps (measurement)
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
             # rows of the half one tile on (a lookup ahead of its copy, as in `_load_partition`)
             row, ok = _tile_rows(start + (2 * t + 2 + j) * HALF, end, seq_len, topk_row, bt_row, kv_ptr,
@@ -332,12 +339,14 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
 
 
 @gluon.jit
-def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr):
+def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr, DEBUG: gl.constexpr = 0):
     """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot; fenced for wgmma where
-    `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously)."""
+    `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously). Measurement mode 7:
+    without the wait."""
     slot = t % STAGES
     phase = (t // STAGES) & 1
-    mbarrier.wait(full_bars.index(slot), phase)
+    if DEBUG != 7:
+        mbarrier.wait(full_bars.index(slot), phase)
     if FENCE_SLOTS:
         fence_async_shared()
     return slot, phase
@@ -435,7 +444,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
-        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
+        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS, DEBUG)
         kl = k_lat.index(slot)
         s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
@@ -506,7 +515,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         _hand_back(full_bars, empty_bars, n_tiles, STAGES)
     for t in range(n_tiles if DEBUG != 1 else 0):
         pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, toks_s, BLOCK_N, SPARSE)
-        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
+        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS, DEBUG)
         kl = k_lat.index(slot)
         if DEBUG == 6:  # `o^T = v^T p^T` alone (p^T: whatever `p_smem` holds)
             acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
@@ -713,12 +722,12 @@ def _mla_hopper_kernel(
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 in the token-split wide form, 4-6 in the narrow
-    # form; in modes 4-6 the loaders copy nothing (as in mode 2).
+    # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
+    # narrow form; in modes 4-6 the loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
-    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4) or (not NARROW and not KSPLIT and DEBUG <= 5),
+    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4) or (not NARROW and not KSPLIT and DEBUG != 6),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
-    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 else DEBUG
+    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,

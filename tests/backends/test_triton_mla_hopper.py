@@ -115,7 +115,25 @@ def test_measurement_modes_time_the_mma_warps_in_parts(rows, mode, mmas):
     assert _spill_bytes(report) <= 64, report
 
 
-@pytest.mark.parametrize("rows,ksplit,mode", [(64, False, "mma_pv"), (64, True, "mma_no_pv"), (32, False, "no_reductions")])
+@pytest.mark.parametrize("rows,kv", [(32, "fp8"), (16, "bf16"), (64, "fp8"), (64, "bf16")])
+def test_decoupled_mode_drops_only_the_waits_between_the_partitions(rows, kv):
+    # hopper.DEBUG_MODES 7 (bench/hopper_dev.py 'fp8:dflt@decoupled'): the narrow and token-split wide forms run their
+    # loaders and MMA warps in full, but no side waits on the other's slot barriers
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    counted = (r"mbarrier\.try_wait", r"wgmma\.mma_async", r"cp\.async\.cg\.shared\.global", r"cvt\.rn\.f16x2\.e4m3x2")
+    default = [len(re.findall(c, hopper_compile(kv=kv, rows=rows)[0])) for c in counted]
+    ptx, _, report = hopper_compile(kv=kv, rows=rows, DEBUG=DEBUG_MODES["decoupled"])
+    decoupled = [len(re.findall(c, ptx)) for c in counted]
+    assert default[0] >= 2 and decoupled[0] == 0
+    assert decoupled[1:] == default[1:]
+    assert _spill_bytes(report) <= 64, report
+
+
+@pytest.mark.parametrize("rows,ksplit,mode", [(64, False, "mma_pv"), (64, True, "mma_no_pv"),
+                                              (32, False, "no_reductions"), (64, True, "decoupled")])
 def test_a_form_refuses_a_measurement_mode_it_does_not_have(rows, ksplit, mode):
     from offline_compile import hopper_compile
     from triton.compiler.errors import CompilationError
