@@ -72,8 +72,7 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
                "decoupled": 7}
 DEBUG_MODE = 0
-# Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2 staged ones, or 0: two register loaders
-# (one a slot) that each carry their next tile's bytes in registers (`_load_partition_ahead`, round 44), instead of
+# Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
 # Measurement only (bench/hopper_dev.py): True / False forces the L2 evict-last hint of the epilogue's output stores
@@ -286,61 +285,6 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     if DEBUG == 7 and not KV_FP8:
         async_copy.commit_group()  # (mode 7: no MMA warp waited for these copies to land before the program exits)
         async_copy.wait_group(0)
-
-
-@gluon.jit
-def _load_words(row, ok, cols):
-    """One FP8 tile's rows as nine `[rows, 16]` int32 register chunks (four e4m3 values a word); zeros where invalid.
-    (As bytes, a tile carried across a loop iteration made LLVM keep each byte in a register of its own, round 16.)"""
-    ptrs = row[:, None] + cols[None, :]
-    mask = ok[:, None]
-    return (gl.load(ptrs, mask=mask, other=0), gl.load(ptrs + 16, mask=mask, other=0),
-            gl.load(ptrs + 32, mask=mask, other=0), gl.load(ptrs + 48, mask=mask, other=0),
-            gl.load(ptrs + 64, mask=mask, other=0), gl.load(ptrs + 80, mask=mask, other=0),
-            gl.load(ptrs + 96, mask=mask, other=0), gl.load(ptrs + 112, mask=mask, other=0),
-            gl.load(ptrs + 128, mask=mask, other=0))
-
-
-@gluon.jit
-def _words_to_fp16(w):
-    """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word."""
-    a, b, c, d = gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
-        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-        "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
-    # `join` adds a last axis, so element [.., i, j] of this is (a, b, c, d)[2 i + j]: the word's byte order.
-    x = gl.join(gl.join(a, c), gl.join(b, d))
-    return x.reshape(w.shape[0], 4 * w.shape[1])
-
-
-@gluon.jit
-def _load_partition_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                          k_lat, k_rope, full_bars, empty_bars,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                          DEBUG: gl.constexpr, FIRST: gl.constexpr, STRIDE: gl.constexpr):
-    """Round 44 (measurement, `STAGED_LOADERS` 0): an FP8 register loader of the narrow form for tiles `FIRST, FIRST +
-    STRIDE, ...` (two loaders, one a slot) that keeps its next tile in flight: that tile's bytes (as 32-bit words, 72
-    registers a thread) are loaded right after this tile is stored, so they arrive while the loader waits for its slot.
-    No staging ring: the bytes cross shared memory once, as fp16."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(start + FIRST * BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4,
-                         stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    xs = _load_words(row, ok & (DEBUG != 2), cols)
-    for t in range(FIRST, n_tiles, STRIDE):
-        slot = t % STAGES
-        row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
-                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        if DEBUG != 7:
-            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-        if DEBUG != 2:
-            for c in gl.static_range(8):
-                k_lat.index(slot).slice(c * 64, 64, dim=1).store(_words_to_fp16(xs[c]))
-            k_rope.index(slot).store(_words_to_fp16(xs[8]))
-            fence_async_shared()
-        mbarrier.arrive(full_bars.index(slot))
-        xs = _load_words(row, ok & (DEBUG != 2), cols)
 
 
 @gluon.jit
@@ -767,14 +711,14 @@ def _mla_hopper_kernel(
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS and STAGED_LOADERS > 0 else 1)
-                      if KV_FP8 else LOAD_WARPS * 32)
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                      else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2 if KSPLIT else 1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        if KV_FP8 and STAGED_LOADERS > 0:
+        if KV_FP8:
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
@@ -798,21 +742,6 @@ def _mla_hopper_kernel(
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
                                       PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1))],
-            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-    elif N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 0:
-        gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-            (_load_partition_ahead, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                     k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE,
-                                     LOADER_DEBUG, 0, 2)),
-            (_load_partition_ahead, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                                     k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE,
-                                     LOADER_DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([

@@ -45,7 +45,6 @@ HOPPER_KSPLIT_SHAPE = (64, 64, 4, 2)
 WARP_SPECIALIZED_SHAPES = (*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE)  # every launch shape the kernel has
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
-HOPPER_AHEAD_LOAD_REGS = 128  # (measurement: the narrow FP8 form's loaders with a tile in flight, round 44)
 
 D_LATENT = 512
 D_ROPE = 64
@@ -675,16 +674,14 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     switches applied): what `_launch_hopper` launches and the offline compile tests build."""
     from mla_tune.backends.triton_mla import hopper
 
-    staged = _switched("STAGED_LOADERS", staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse))
-    # (round 44's loaders, `STAGED_LOADERS` 0, carry a tile of words: 72 registers beside the one they store)
-    load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"] if staged or not kv_fp8 else HOPPER_AHEAD_LOAD_REGS
+    load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
-        STAGED_LOADERS=staged,
+        STAGED_LOADERS=_switched("STAGED_LOADERS", staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse)),
         PARTIAL_EVICT_LAST=_switched("PARTIAL_EVICT_LAST", writes_partials),
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),

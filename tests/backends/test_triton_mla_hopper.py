@@ -115,25 +115,6 @@ def test_measurement_modes_time_the_mma_warps_in_parts(rows, mode, mmas):
     assert _spill_bytes(report) <= 64, report
 
 
-@pytest.mark.parametrize("rows,sparse", [(32, False), (16, True)])
-def test_round_44_loaders_carry_a_tile_of_words_without_a_staging_ring(rows, sparse):
-    # hopper.STAGED_LOADERS 0 (measurement, bench/hopper_dev.py 'fp8:ahead'): two FP8 register loaders, one a slot,
-    # each loading its next tile as 32-bit words (9 x 16-byte loads a row) before it waits for its slot; no cp.async,
-    # no staging ring in shared memory, and no spills at `launch.HOPPER_AHEAD_LOAD_REGS`
-    from offline_compile import hopper_compile
-
-    from mla_tune.backends.triton_mla.launch import HOPPER_AHEAD_LOAD_REGS
-
-    staged_ptx, staged_smem, _ = hopper_compile(kv="fp8", rows=rows, sparse=sparse, page_size=1 if sparse else 64)
-    ptx, smem, report = hopper_compile(kv="fp8", rows=rows, sparse=sparse, page_size=1 if sparse else 64,
-                                       STAGED_LOADERS=0, LOAD_REGS=HOPPER_AHEAD_LOAD_REGS)
-    assert "cp.async.cg.shared.global" in staged_ptx and "cp.async.cg.shared.global" not in ptx
-    assert abs(staged_smem - smem - 64 * 576) < 1024  # the staging ring: two half tiles of e4m3 bytes
-    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == 2 * 144  # two loaders, 72 words a thread, 2 a word
-    assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)) >= 2 * 2 * 9
-    assert _spill_bytes(report) == 0, report
-
-
 @pytest.mark.parametrize("rows,kv", [(32, "fp8"), (16, "bf16"), (64, "fp8"), (64, "bf16")])
 def test_decoupled_mode_drops_only_the_waits_between_the_partitions(rows, kv):
     # hopper.DEBUG_MODES 7 (bench/hopper_dev.py 'fp8:dflt@decoupled'): the narrow and token-split wide forms run their
