@@ -75,10 +75,6 @@ DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
-# Measurement only (bench/hopper_dev.py): True makes the narrow form's staged FP8 loader copy a half tile's latent bytes
-# as one `[rows, 512]` cp.async into a swizzled buffer, the rope chunk into another (Triton puts a loader-wide barrier
-# between copies into one allocation: 9 a half tile otherwise). None in production.
-STAGE_WIDE = None
 # Measurement only (bench/hopper_dev.py): True / False forces the L2 evict-last hint of the epilogue's output stores
 # on / off. None in production: `launch` turns it on where the outputs are split partials (more than one split).
 PARTIAL_EVICT_LAST = None
@@ -197,26 +193,13 @@ def _load_chunks(row, ok, cols):
 
 
 @gluon.jit
-def _staged_chunks(stage, stage_rope, half: gl.constexpr, layout: gl.constexpr, STAGE_WIDE: gl.constexpr = False):
+def _staged_chunks(stage, half: gl.constexpr, layout: gl.constexpr):
     """Staging half `half` back in registers as nine `[rows, 64]` e4m3 chunks (as `_load_chunks` gives them)."""
-    if STAGE_WIDE:
-        xs = _staged_chunks_wide(stage.index(half), stage_rope.index(half), layout)
-    else:
-        xs = (stage.index(half * 9).load(layout), stage.index(half * 9 + 1).load(layout),
-              stage.index(half * 9 + 2).load(layout), stage.index(half * 9 + 3).load(layout),
-              stage.index(half * 9 + 4).load(layout), stage.index(half * 9 + 5).load(layout),
-              stage.index(half * 9 + 6).load(layout), stage.index(half * 9 + 7).load(layout),
-              stage.index(half * 9 + 8).load(layout))
-    return xs
-
-
-@gluon.jit
-def _staged_chunks_wide(lat, rope, layout: gl.constexpr):
-    """(`STAGE_WIDE`) A half tile's `[rows, 512]` latent and `[rows, 64]` rope staging as nine `[rows, 64]` chunks."""
-    return (lat.slice(0, 64, dim=1).load(layout), lat.slice(64, 64, dim=1).load(layout),
-            lat.slice(128, 64, dim=1).load(layout), lat.slice(192, 64, dim=1).load(layout),
-            lat.slice(256, 64, dim=1).load(layout), lat.slice(320, 64, dim=1).load(layout),
-            lat.slice(384, 64, dim=1).load(layout), lat.slice(448, 64, dim=1).load(layout), rope.load(layout))
+    return (stage.index(half * 9).load(layout), stage.index(half * 9 + 1).load(layout),
+            stage.index(half * 9 + 2).load(layout), stage.index(half * 9 + 3).load(layout),
+            stage.index(half * 9 + 4).load(layout), stage.index(half * 9 + 5).load(layout),
+            stage.index(half * 9 + 6).load(layout), stage.index(half * 9 + 7).load(layout),
+            stage.index(half * 9 + 8).load(layout))
 
 
 @gluon.jit
@@ -305,27 +288,21 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
 
 
 @gluon.jit
-def _stage_half(stage, stage_rope, half: gl.constexpr, row, ok, cols, STAGE_WIDE: gl.constexpr = False):
+def _stage_half(stage, half: gl.constexpr, row, ok, cols):
     """`cp.async` of one half tile's e4m3 rows (nine `[rows, 64]` chunks; zeros where invalid) into staging
     half `half`, as one commit group."""
     ptrs = row[:, None] + cols[None, :]
-    if STAGE_WIDE:
-        # the latent columns as one `[rows, 512]` copy (into a swizzled buffer of its own), then the rope chunk
-        cols_lat = gl.arange(0, 512, layout=cols.type.layout)
-        async_copy.async_copy_global_to_shared(stage.index(half), row[:, None] + cols_lat[None, :], mask=ok[:, None])
-        async_copy.async_copy_global_to_shared(stage_rope.index(half), ptrs + 512, mask=ok[:, None])
-    else:
-        for c in gl.static_range(9):
-            async_copy.async_copy_global_to_shared(stage.index(half * 9 + c), ptrs + c * 64, mask=ok[:, None])
+    for c in gl.static_range(9):
+        async_copy.async_copy_global_to_shared(stage.index(half * 9 + c), ptrs + c * 64, mask=ok[:, None])
     async_copy.commit_group()
 
 
 @gluon.jit
 def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                           k_lat, k_rope, stage, stage_rope, full_bars, empty_bars,
+                           k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
                            SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
-                           N_HALVES: gl.constexpr = 2, STAGE_WIDE: gl.constexpr = False):
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
     (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
     e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
@@ -341,7 +318,7 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
         row, ok = _tile_rows(start + j * HALF, end, seq_len, topk_row, bt_row, kv_ptr, stride_kvp, stride_kvt,
                              layout, HALF, PAGE_SIZE, SPARSE)
         if DEBUG != 2:
-            _stage_half(stage, stage_rope, j, row, ok, cols, STAGE_WIDE)
+            _stage_half(stage, j, row, ok, cols)
     for t in range(n_tiles):
         slot = t % STAGES
         if DEBUG != 7:  # 7: the loader does not wait for the MMA warps (measurement)
@@ -352,8 +329,8 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                                  stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
             if DEBUG != 2:
                 async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
-                xs = _cast_chunks(_staged_chunks(stage, stage_rope, j, layout, STAGE_WIDE))
-                _stage_half(stage, stage_rope, j, row, ok, cols, STAGE_WIDE)  # after the casts used the bytes it overwrites
+                xs = _cast_chunks(_staged_chunks(stage, j, layout))
+                _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
         fence_async_shared()
@@ -692,7 +669,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    STAGE_WIDE: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -742,15 +718,9 @@ def _mla_hopper_kernel(
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        if KV_FP8 and STAGE_WIDE:  # (measurement: a half tile's latent bytes as one swizzled [rows, 512] block)
-            stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N // 2, 512],
-                                              gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-            stage_rope = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N // 2, 64],
-                                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        elif KV_FP8:
+        if KV_FP8:
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            stage_rope = stage
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
     # narrow form; in modes 4-6 the loaders copy nothing (as in mode 2).
@@ -767,11 +737,11 @@ def _mla_hopper_kernel(
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, k_lat, k_rope, stage, stage_rope, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1, STAGE_WIDE)),
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, k_lat, k_rope, stage, stage_rope, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1, STAGE_WIDE))],
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -782,8 +752,8 @@ def _mla_hopper_kernel(
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
-                                      stride_kvt, k_lat, k_rope, stage, stage_rope, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 2, STAGE_WIDE))],
+                                      stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([

@@ -115,23 +115,6 @@ def test_measurement_modes_time_the_mma_warps_in_parts(rows, mode, mmas):
     assert _spill_bytes(report) <= 64, report
 
 
-@pytest.mark.parametrize("rows,sparse", [(32, False), (16, True)])
-def test_wide_staging_copies_a_half_tile_with_two_barriers_instead_of_ten(rows, sparse):
-    # hopper.STAGE_WIDE (measurement, bench/hopper_dev.py 'fp8:stw'): the staged FP8 loader copies a half tile's latent
-    # bytes as one [rows, 512] cp.async into a swizzled buffer and the rope into another, so Triton no longer puts a
-    # loader-wide barrier between the nine chunk copies; the same copies, no spills
-    from offline_compile import hopper_compile
-
-    page = 1 if sparse else 64
-    default, _, _ = hopper_compile(kv="fp8", rows=rows, sparse=sparse, page_size=page)
-    ptx, _, report = hopper_compile(kv="fp8", rows=rows, sparse=sparse, page_size=page, STAGE_WIDE=True)
-    bars = [len(re.findall(r"bar\.sync", p)) for p in (default, ptx)]
-    assert bars[0] - bars[1] >= 2 * 2 * 8  # per half tile 8 fewer, two halves, copied in the prologue and the loop
-    copies = [len(re.findall(r"cp\.async\.cg\.shared\.global", p)) for p in (default, ptx)]
-    assert copies[0] == copies[1]
-    assert _spill_bytes(report) == 0, report
-
-
 @pytest.mark.parametrize("rows,kv", [(32, "fp8"), (16, "bf16"), (64, "fp8"), (64, "bf16")])
 def test_decoupled_mode_drops_only_the_waits_between_the_partitions(rows, kv):
     # hopper.DEBUG_MODES 7 (bench/hopper_dev.py 'fp8:dflt@decoupled'): the narrow and token-split wide forms run their
