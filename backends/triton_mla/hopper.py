@@ -75,10 +75,6 @@ DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
 STAGED_LOADERS = None
-# Measurement only (bench/hopper_dev.py): True makes the narrow form's staged FP8 loader hold each tile's casts and
-# stores until the MMA warpgroup has issued the previous tile's score MMAs (round 46: the loader's shared-memory
-# instructions then run while the MMA warpgroup waits on its tensor cores, not beside its softmax). None in production.
-LOADER_GATE = None
 # Measurement only (bench/hopper_dev.py): True / False forces the L2 evict-last hint of the epilogue's output stores
 # on / off. None in production: `launch` turns it on where the outputs are split partials (more than one split).
 PARTIAL_EVICT_LAST = None
@@ -306,7 +302,7 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                            k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
                            SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
-                           N_HALVES: gl.constexpr = 2, gate_bar=None, GATE: gl.constexpr = False):
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
     (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
     e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
@@ -327,9 +323,6 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
         slot = t % STAGES
         if DEBUG != 7:  # 7: the loader does not wait for the MMA warps (measurement)
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-        if GATE and DEBUG == 0:
-            if t > 0:  # (round 46) the MMA warpgroup has issued tile t - 1's score MMAs
-                mbarrier.wait(gate_bar.index(0), (t - 1) & 1)
         for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
             # rows of the half one tile on (a lookup ahead of its copy, as in `_load_partition`)
             row, ok = _tile_rows(start + (2 * t + 2 + j) * HALF, end, seq_len, topk_row, bt_row, kv_ptr,
@@ -496,7 +489,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
                           N_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr,
                           SPARSE: gl.constexpr, DEBUG: gl.constexpr, KV_FP8: gl.constexpr,
                           QUERY_IN_CONSUMER: gl.constexpr, FENCE_SLOTS: gl.constexpr,
-                          EVICT_LAST: gl.constexpr = False, gate_bar=None, GATE: gl.constexpr = False):
+                          EVICT_LAST: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M:
     `s^T = k q^T` (m64, n = N_ROWS) and `o^T = v^T p^T` (m512 as eight m64 blocks, v^T read from the slot
     in its transposed form, p^T from shared memory). With 64 rows on M, 16 heads would waste 3/4 of every
@@ -530,8 +523,6 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         else:
             s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
-            if GATE:
-                mbarrier.arrive(gate_bar.index(0))  # (round 46) the loader may cast and store the next tile now
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             if DEBUG == 5:  # the score MMAs alone (kept alive by a sum in registers, reduced once after the loop)
                 s_sum = s_sum + s
@@ -678,7 +669,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LOADER_GATE: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -731,11 +721,6 @@ def _mla_hopper_kernel(
         if KV_FP8:
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        if KV_FP8 and LOADER_GATE:
-            gate_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(gate_bar.index(0), count=1)
-        else:
-            gate_bar = full_bars  # (unused without LOADER_GATE)
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
     # narrow form; in modes 4-6 the loaders copy nothing (as in mode 2).
@@ -750,13 +735,13 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, gate_bar, LOADER_GATE)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1, gate_bar, LOADER_GATE)),
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1, gate_bar, LOADER_GATE))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -765,10 +750,10 @@ def _mla_hopper_kernel(
                                      qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
                                      stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                                      N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST, gate_bar, LOADER_GATE)),
+                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 2, gate_bar, LOADER_GATE))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([

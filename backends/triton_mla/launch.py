@@ -686,8 +686,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
-        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE),
-        LOADER_GATE=_switched("LOADER_GATE", False))
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE))
 
 
 def ksplit_mma_regs(load_regs: int) -> int:

@@ -115,28 +115,6 @@ def test_measurement_modes_time_the_mma_warps_in_parts(rows, mode, mmas):
     assert _spill_bytes(report) <= 64, report
 
 
-@pytest.mark.parametrize("rows,sparse", [(32, False), (16, True)])
-def test_loader_gate_adds_one_wait_and_one_arrival(rows, sparse):
-    # hopper.LOADER_GATE (measurement, bench/hopper_dev.py 'fp8:gate'): the MMA warpgroup arrives on a barrier once it has
-    # issued a tile's score MMAs, and the staged loader waits on it before it casts and stores the next tile (in the
-    # loader-alone mode, whose MMA warps issue nothing, it does not wait); no spills
-    from offline_compile import hopper_compile
-
-    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
-
-    page = 1 if sparse else 64
-    loaders = 2 if sparse else 1
-    count = [len(re.findall(r"mbarrier\.(try_wait|arrive)", hopper_compile(kv="fp8", rows=rows, sparse=sparse,
-                                                                          page_size=page, LOADER_GATE=g)[0]))
-             for g in (False, True)]
-    assert count[1] - count[0] == loaders + 1
-    ptx, _, report = hopper_compile(kv="fp8", rows=rows, sparse=sparse, page_size=page, LOADER_GATE=True,
-                                    DEBUG=DEBUG_MODES["loader_only"])
-    assert len(re.findall(r"mbarrier\.try_wait", ptx)) == len(re.findall(r"mbarrier\.try_wait", hopper_compile(
-        kv="fp8", rows=rows, sparse=sparse, page_size=page, DEBUG=DEBUG_MODES["loader_only"])[0]))
-    assert _spill_bytes(report) == 0, report
-
-
 @pytest.mark.parametrize("rows,kv", [(32, "fp8"), (16, "bf16"), (64, "fp8"), (64, "bf16")])
 def test_decoupled_mode_drops_only_the_waits_between_the_partitions(rows, kv):
     # hopper.DEBUG_MODES 7 (bench/hopper_dev.py 'fp8:dflt@decoupled'): the narrow and token-split wide forms run their
