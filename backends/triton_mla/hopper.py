@@ -68,9 +68,11 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # the warpgroups and no row sums (wrong results); the token-split wide and the narrow form's MMA warps alone, in parts
 # (the loader copies nothing): 4 = without `p @ v`, 5 = the score MMAs alone, 6 = (narrow form only) `p @ v` alone;
 # 7 = (token-split wide and narrow forms) decoupled: both sides run in full, but neither waits for the other's barriers
-# (wrong results; the time with the two sharing the SM but not waiting on each other). 0 in production.
+# (wrong results; the time with the two sharing the SM but not waiting on each other); (narrow FP8 form only) decoupled
+# with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
+# and fp16 stores (of whatever the staging ring holds). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
-               "decoupled": 7}
+               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
@@ -321,13 +323,20 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
             _stage_half(stage, j, row, ok, cols)
     for t in range(n_tiles):
         slot = t % STAGES
-        if DEBUG != 7:  # 7: the loader does not wait for the MMA warps (measurement)
+        if DEBUG < 7:  # 7-9: the loader does not wait for the MMA warps (measurement)
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         for j in gl.static_range(FIRST_HALF, FIRST_HALF + N_HALVES):
             # rows of the half one tile on (a lookup ahead of its copy, as in `_load_partition`)
             row, ok = _tile_rows(start + (2 * t + 2 + j) * HALF, end, seq_len, topk_row, bt_row, kv_ptr,
                                  stride_kvp, stride_kvt, layout, HALF, PAGE_SIZE, SPARSE)
-            if DEBUG != 2:
+            if DEBUG == 8:  # (measurement) the copies alone
+                async_copy.wait_group(N_HALVES - 1)
+                _stage_half(stage, j, row, ok, cols)
+            elif DEBUG == 9:  # (measurement) the read-back, casts and stores alone
+                _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
+                              k_rope.index(slot).slice(j * HALF, HALF, dim=0),
+                              _cast_chunks(_staged_chunks(stage, j, layout)))
+            elif DEBUG != 2:
                 async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
                 xs = _cast_chunks(_staged_chunks(stage, j, layout))
                 _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
@@ -341,11 +350,11 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
 @gluon.jit
 def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr, DEBUG: gl.constexpr = 0):
     """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot; fenced for wgmma where
-    `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously). Measurement mode 7:
-    without the wait."""
+    `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously). Measurement modes
+    7-9: without the wait."""
     slot = t % STAGES
     phase = (t // STAGES) & 1
-    if DEBUG != 7:
+    if DEBUG < 7:
         mbarrier.wait(full_bars.index(slot), phase)
     if FENCE_SLOTS:
         fence_async_shared()
@@ -723,9 +732,10 @@ def _mla_hopper_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form; in modes 4-6 the loaders copy nothing (as in mode 2).
+    # narrow form, 8-9 in the narrow FP8 form (its staged loader); in modes 4-6 the loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
-    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4) or (not NARROW and not KSPLIT and DEBUG != 6),
+    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or KV_FP8))
+                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
     LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:

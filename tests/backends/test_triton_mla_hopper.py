@@ -132,8 +132,24 @@ def test_decoupled_mode_drops_only_the_waits_between_the_partitions(rows, kv):
     assert _spill_bytes(report) <= 64, report
 
 
+@pytest.mark.parametrize("mode,copies,casts", [("decoupled_copies", True, False), ("decoupled_casts", False, True)])
+def test_decoupled_loader_parts_run_only_their_part(mode, copies, casts):
+    # hopper.DEBUG_MODES 8-9 (narrow FP8 form): decoupled as in mode 7, with the staged loader doing only its cp.async
+    # copies into the staging ring (8) or only its read-back, casts and fp16 stores (9; only the prologue's copies)
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    ptx, _, report = hopper_compile(kv="fp8", rows=32, DEBUG=DEBUG_MODES[mode])
+    assert "mbarrier.try_wait" not in ptx
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == (36 if copies else 18)
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == (144 if casts else 0)
+    assert _spill_bytes(report) == 0, report
+
+
 @pytest.mark.parametrize("rows,ksplit,mode", [(64, False, "mma_pv"), (64, True, "mma_no_pv"),
-                                              (32, False, "no_reductions"), (64, True, "decoupled")])
+                                              (32, False, "no_reductions"), (64, True, "decoupled"),
+                                              (64, False, "decoupled_copies")])
 def test_a_form_refuses_a_measurement_mode_it_does_not_have(rows, ksplit, mode):
     from offline_compile import hopper_compile
     from triton.compiler.errors import CompilationError
