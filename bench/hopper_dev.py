@@ -63,7 +63,8 @@ def candidate(spec: str):
     """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES`
     ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
     '@' and a measurement mode of hopper.py for its runs alone ('fp8:dflt@decoupled') -> (KV kind it is
-    timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with min_split_tokens 256], the k-split wide form
+    timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with
+    min_split_tokens 256], the k-split wide form
     `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
     one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
@@ -100,24 +101,23 @@ def switched(switches: dict):
 
 
 def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
-    """`check_and_time` (or `debug_time` in a measurement mode) with the measurement `switches` set (`switched`)."""
+    """`check_and_time` with the measurement `switches` set (`switched`), or `debug_time` where they (or `--debug`,
+    which wins over a candidate's own '@' mode) name a measurement mode of hopper.py."""
+    if debug:
+        switches = {**switches, "DEBUG_MODE": DEBUG_MODES[debug]}
     with switched(switches):
-        if debug or switches.get("DEBUG_MODE"):
-            return debug_time(case, adapter, debug)
-        return check_and_time(case, adapter)
+        return debug_time(case, adapter) if switches.get("DEBUG_MODE") else check_and_time(case, adapter)
 
 
-def debug_time(case, adapter, mode: str | None) -> dict:
-    """Time `adapter` in measurement mode `mode` of hopper.py, or in the one its candidate's switches set (None)
-    (outputs are not meaningful, so not checked)."""
-    with switched({"DEBUG_MODE": DEBUG_MODES[mode]} if mode else {}):
-        try:
-            prepared = adapter.prepare(case.problem, case.sets[0])
-            med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
-            return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi,
-                    "info": f" debug {mode or hopper.DEBUG_MODE}"}
-        except Exception as exc:  # a failure is data
-            return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+def debug_time(case, adapter) -> dict:
+    """Time `adapter` in the measurement mode hopper.py is set to (outputs are not meaningful, so not checked)."""
+    mode = next(name for name, number in DEBUG_MODES.items() if number == hopper.DEBUG_MODE)
+    try:
+        prepared = adapter.prepare(case.problem, case.sets[0])
+        med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
+        return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi, "info": f" debug {mode}"}
+    except Exception as exc:  # a failure is data
+        return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def main():

@@ -262,7 +262,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
     for t in range(FIRST, n_tiles, STRIDE):
         slot = t % STAGES
-        if DEBUG != 7:  # 7: the loader does not wait for the MMA warps (measurement)
+        if DEBUG < 7:  # 7-9: the loader does not wait for the MMA warps (measurement)
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if KV_FP8:
             if DEBUG != 2:
@@ -332,7 +332,7 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
             if DEBUG == 8:  # (measurement) the copies alone
                 async_copy.wait_group(N_HALVES - 1)
                 _stage_half(stage, j, row, ok, cols)
-            elif DEBUG == 9:  # (measurement) the read-back, casts and stores alone
+            elif DEBUG == 9:  # (measurement) the read-back, casts and stores alone (written as call 167 ran it)
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0),
                               _cast_chunks(_staged_chunks(stage, j, layout)))
@@ -734,7 +734,7 @@ def _mla_hopper_kernel(
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
     # narrow form, 8-9 in the narrow FP8 form (its staged loader); in modes 4-6 the loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
-    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or KV_FP8))
+    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
                      or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
     LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else DEBUG
