@@ -92,10 +92,6 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): True casts the FP8 loaders' e4m3 bytes to fp16 with integer instructions
-# (`_e4m3_bits_to_fp16`: a byte permute, two masks and a shift a pair, no `cvt`), the values 2^-8 of the cast's, the
-# factor folded into the scales. None in production: `launch.HOPPER_CAST_BITS`.
-CAST_BITS = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -208,34 +204,12 @@ def _staged_chunks(stage, half: gl.constexpr, layout: gl.constexpr):
             stage.index(half * 9 + 8).load(layout))
 
 
-# Four e4m3 bytes ($2) to four fp16 values 2^-8 of theirs ($0: bytes 0-1, $1: bytes 2-3), exact: a byte at bits 8-15
-# of a half (`prmt`) has its sign at bit 15 and its exponent and mantissa one bit left of fp16's (e4m3's exponent bias
-# 7 against fp16's 15: a factor 2^-8, subnormals included); NaN (0x7f) becomes 1.875 * 2^-1, unused here.
-_E4M3_BITS_ASM: gl.constexpr = gl.constexpr(
-    "{\n\t.reg .b32 t<4>;\n\t"
-    "prmt.b32 t0, $2, 0, 0x1404;\n\tprmt.b32 t1, $2, 0, 0x3424;\n\t"
-    "and.b32 t2, t0, 0x7f007f00;\n\tand.b32 t3, t1, 0x7f007f00;\n\t"
-    "shr.b32 t2, t2, 1;\n\tshr.b32 t3, t3, 1;\n\t"
-    "and.b32 t0, t0, 0x80008000;\n\tand.b32 t1, t1, 0x80008000;\n\t"
-    "or.b32 $0, t0, t2;\n\tor.b32 $1, t1, t3;\n\t}")
-
-
 @gluon.jit
-def _to_fp16(x, CAST_BITS: gl.constexpr):
-    """An e4m3 tensor as fp16: `cvt.rn.f16x2.e4m3x2`, or (CAST_BITS) 2^-8 of it by integer instructions."""
-    if CAST_BITS:
-        return gl.inline_asm_elementwise(_E4M3_BITS_ASM, "=r,=r,r", [x.to(gl.int8, bitcast=True)], dtype=gl.float16,
-                                         is_pure=True, pack=4)
-    else:
-        return x.to(gl.float16)
-
-
-@gluon.jit
-def _cast_chunks(xs, CAST_BITS: gl.constexpr):
-    """Nine e4m3 chunks cast to fp16 (`_to_fp16`)."""
-    return (_to_fp16(xs[0], CAST_BITS), _to_fp16(xs[1], CAST_BITS), _to_fp16(xs[2], CAST_BITS),
-            _to_fp16(xs[3], CAST_BITS), _to_fp16(xs[4], CAST_BITS), _to_fp16(xs[5], CAST_BITS),
-            _to_fp16(xs[6], CAST_BITS), _to_fp16(xs[7], CAST_BITS), _to_fp16(xs[8], CAST_BITS))
+def _cast_chunks(xs):
+    """Nine e4m3 chunks cast to fp16 (`cvt.rn.f16x2.e4m3x2`)."""
+    return (xs[0].to(gl.float16), xs[1].to(gl.float16), xs[2].to(gl.float16), xs[3].to(gl.float16),
+            xs[4].to(gl.float16), xs[5].to(gl.float16), xs[6].to(gl.float16), xs[7].to(gl.float16),
+            xs[8].to(gl.float16))
 
 
 @gluon.jit
@@ -264,7 +238,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
                     KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False, CAST_BITS: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -297,8 +271,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                 # (device calls 79-81, same process, bench/TRITON_NOTES.md round 21).
                 xs = _load_chunks(row, ok, cols)
                 for c in gl.static_range(8):
-                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(_to_fp16(xs[c], CAST_BITS))
-                k_rope.index(slot).store(_to_fp16(xs[8], CAST_BITS))
+                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
+                k_rope.index(slot).store(xs[8].to(gl.float16))
                 fence_async_shared()
             mbarrier.arrive(full_bars.index(slot))
         else:
@@ -330,7 +304,7 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                            k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
                            SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
-                           N_HALVES: gl.constexpr = 2, CAST_BITS: gl.constexpr = False):
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
     (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
     e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
@@ -361,10 +335,10 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
             elif DEBUG == 9:  # (measurement) the read-back, casts and stores alone (written as call 167 ran it)
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0),
-                              _cast_chunks(_staged_chunks(stage, j, layout), CAST_BITS))
+                              _cast_chunks(_staged_chunks(stage, j, layout)))
             elif DEBUG != 2:
                 async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
-                xs = _cast_chunks(_staged_chunks(stage, j, layout), CAST_BITS)
+                xs = _cast_chunks(_staged_chunks(stage, j, layout))
                 _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
@@ -704,7 +678,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    CAST_BITS: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -727,9 +700,6 @@ def _mla_hopper_kernel(
     qk_scale = sm_scale_log2 * kv_scale
     if KV_FP8:
         qk_scale = qk_scale / q_scale  # the query was scaled by q_scale before its fp16 rounding
-    if KV_FP8 and CAST_BITS:  # the loaders' fp16 values are 2^-8 of the cache's (`_to_fp16`)
-        qk_scale = qk_scale * 256.0
-        kv_scale = kv_scale * 256.0
 
     # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
     # partitions start or (QUERY_IN_CONSUMER) by the MMA warps themselves, while the loader already streams KV tiles.
@@ -778,10 +748,10 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1, CAST_BITS)),
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1, CAST_BITS))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -793,7 +763,7 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 2, CAST_BITS))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([
@@ -835,7 +805,7 @@ def _mla_hopper_kernel(
                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH, CAST_BITS))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -847,5 +817,5 @@ def _mla_hopper_kernel(
                               PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH, CAST_BITS))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
             [LOAD_WARPS], [LOAD_REGS])

@@ -659,8 +659,6 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("kspl
 # waited behind the loader's stores (call 135). Without it (round 36, H100 call 136, same-process A/B): dense FP8 128
 # heads 0.86 / 0.90 at batch 128 kv 16k / 64 kv 4k, 64 heads 0.98-1.00, 16 heads 0.99-1.00, sparse 0.99-1.01.
 HOPPER_CONSUMER_FENCE = False
-# Whether the FP8 loaders cast e4m3 to fp16 with integer instructions instead of `cvt` (hopper.py `_to_fp16`).
-HOPPER_CAST_BITS = False
 
 
 def _switched(name: str, default):
@@ -688,8 +686,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
-        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE),
-        CAST_BITS=kv_fp8 and _switched("CAST_BITS", HOPPER_CAST_BITS))
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE))
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
