@@ -130,6 +130,7 @@ def main():
     ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (MTP; dense rows = q_len x heads)")
     ap.add_argument("--shapes", default="default", choices=sorted(SHAPE_SETS))
+    ap.add_argument("--topk", default="2048", help="top-k of the sparse shapes, a comma list (one shape set each)")
     ap.add_argument("--fa3", action="store_true", help="also time FlashInfer FA3 (JIT on first use)")
     ap.add_argument("--debug", default=None, choices=sorted(DEBUG_MODES),
                     help="time the candidates in a measurement mode of hopper.py (no correctness check: "
@@ -152,7 +153,7 @@ def main():
             if not args.sparse_only:
                 shapes += [(kv, heads, b, n, None) for b, n in dense]
             if not args.dense_only:
-                shapes += [(kv, heads, b, n, 2048) for b, n in sparse]
+                shapes += [(kv, heads, b, n, int(k)) for k in args.topk.split(",") for b, n in sparse]
     ratios = {c: [] for c in range(len(cands))}
     t0 = time.time()
     for kv, heads, batch, kv_len, topk in shapes:
