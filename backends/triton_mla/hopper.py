@@ -92,6 +92,10 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
+# Measurement only (bench/hopper_dev.py): True runs the k-split form's launch with FlashInfer's division of the MMA work
+# instead (`_mma_partition_qk1`): warpgroup 0 scores the whole tile (m64n64 over all 576 columns), runs the softmax
+# and hands p and the rescale factors to warpgroup 1 through the slot; each multiplies p by its 256 value columns.
+QK_ONE = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -662,6 +666,93 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
 
 
 @gluon.jit
+def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars, l_bar,
+                       o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
+                       qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
+                       stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
+                       DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
+                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+    """One of two MMA warpgroups that divide a tile's work as FlashInfer's Hopper MLA kernel does (measurement switch
+    `QK_ONE`, on the k-split form's 4-warp launch). Warpgroup 0 scores all 64 tokens over all 576 columns (one
+    m64n64 wgmma chain: the query read once a tile, no partial scores to exchange), runs the online softmax (rows on
+    M: the row max and sums stay inside each quad of lanes) and hands p to warpgroup 1 in the slot's rope columns
+    (which only its own finished score MMAs read) with the tile's rescale factors; each then multiplies p by its
+    256 of the 512 value columns (warpgroup 0 from registers, warpgroup 1 from shared memory). Warpgroup 1 never
+    scores, so the softmax runs once a tile, not twice; at the end warpgroup 0 hands over the row sums.
+    """
+    if QUERY_IN_CONSUMER:
+        if WG == 0:
+            _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
+                         SPARSE, ROWS, KV_FP8, 4)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
+    if WG == 0:
+        qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
+        visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
+        l_i = gl.zeros([ROWS], gl.float32, rows_s)
+        zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        if DEBUG == 1:
+            _hand_back(full_bars, empty_bars, n_tiles, STAGES)
+        for t in range(n_tiles if DEBUG != 1 else 0):
+            pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
+            slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
+            kl = k_lat.index(slot)
+            s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+            s = gl.where(visible, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None]).to(kl.dtype)
+            m_i = m_new
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+            # p over the rope columns, whose last reader was the score MMA finished above
+            k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
+            alpha_smem.index(slot).store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_bars.index(slot))
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty_bars.index(slot))
+        l_smem.store(l_i)
+        mbarrier.arrive(l_bar)
+        _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
+                  stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN,
+                  SPARSE, EVICT_LAST, 0, 256, True)
+    else:
+        if DEBUG == 1:
+            _hand_back(full_bars, empty_bars, n_tiles, STAGES)
+        for t in range(n_tiles if DEBUG != 1 else 0):
+            slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
+            mbarrier.wait(p_bars.index(slot), phase)
+            kl = k_lat.index(slot)
+            acc = acc * alpha_smem.index(slot).load(rows_o)[:, None]
+            acc = warpgroup_mma(k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout),
+                                kl.slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty_bars.index(slot))
+        mbarrier.wait(l_bar, 0)
+        l_i = l_smem.load(rows_o)
+        _epilogue(acc, l_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
+                  stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_o, Q_LEN,
+                  SPARSE, EVICT_LAST, 256, 256, False)
+
+
+@gluon.jit
 def _mla_hopper_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, topk_ptr, kv_scale_ptr,
     o_ptr, lse_ptr,
@@ -678,6 +769,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
+    QK1: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -780,6 +872,32 @@ def _mla_hopper_kernel(
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    elif KSPLIT and QK1:
+        # FlashInfer's division (measurement switch `QK_ONE`): warpgroup 0 the default partition, warpgroup 1 a worker
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        p_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(p_bars.index(i), count=1)
+        mbarrier.init(l_bar, count=1)
+        gl.warp_specialize([
+            (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
+                                  l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
+                                  n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
+                                  stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
+                                  q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
+                                  l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
+                                  n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
+                                  stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
+                                  q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
+            [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     elif KSPLIT:
         # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
         x1 = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK_N], smem_layout)
