@@ -95,6 +95,7 @@ CONSUMER_FENCE = None
 # Measurement only (bench/hopper_dev.py): True runs the k-split form's launch with FlashInfer's division of the MMA work
 # instead (`_mma_partition_qk1`): warpgroup 0 scores the whole tile (m64n64 over all 576 columns), runs the softmax
 # and hands p and the rescale factors to warpgroup 1 through the slot; each multiplies p by its 256 value columns.
+# 2: the same, with warpgroup 0 issuing the next tile's score MMAs right behind its `p @ v` (`PIPE`).
 QK_ONE = None
 
 
@@ -666,20 +667,62 @@ def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x
 
 
 @gluon.jit
+def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
+    """`_mma_partition_qk1`'s score MMAs of ring slot `slot` (m64n64 over all 576 columns), issued, not waited for:
+    two wgmma groups."""
+    s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return warpgroup_mma(q_lat, k_lat.index(slot).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _qk1_tile(s, acc, m_i, l_i, t, q_lat, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
+              visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, SPARSE: gl.constexpr):
+    """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
+    online softmax, hands p (over the slot's rope columns, whose last reader was that score MMA) and the rescale
+    factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group,
+    not waited for). Returns (the output accumulator, running max, running sum)."""
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    slot = t % STAGES
+    kl = k_lat.index(slot)
+    pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, gl.SliceLayout(0, s_layout), BLOCK_N,
+                              SPARSE)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+    scores = gl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores - m_safe[:, None]).to(kl.dtype)
+    l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+    k_rope.index(slot)._reinterpret(kl.dtype, [q_lat.shape[0], BLOCK_N], p_smem_layout).store(p)
+    alpha_smem.index(slot).store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(p_bars.index(slot))
+    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
+    return acc, m_new, l_i
+
+
+@gluon.jit
 def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars, l_bar,
                        o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                        qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
                        stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                        DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, PIPE: gl.constexpr = False):
     """One of two MMA warpgroups that divide a tile's work as FlashInfer's Hopper MLA kernel does (measurement switch
     `QK_ONE`, on the k-split form's 4-warp launch). Warpgroup 0 scores all 64 tokens over all 576 columns (one
     m64n64 wgmma chain: the query read once a tile, no partial scores to exchange), runs the online softmax (rows on
     M: the row max and sums stay inside each quad of lanes) and hands p to warpgroup 1 in the slot's rope columns
     (which only its own finished score MMAs read) with the tile's rescale factors; each then multiplies p by its
     256 of the 512 value columns (warpgroup 0 from registers, warpgroup 1 from shared memory). Warpgroup 1 never
-    scores, so the softmax runs once a tile, not twice; at the end warpgroup 0 hands over the row sums.
+    scores, so the softmax runs once a tile, not twice; at the end warpgroup 0 hands over the row sums. With `PIPE`
+    warpgroup 0 issues tile t + 1's score MMAs right after tile t's `p @ v` (once that slot is full) and then waits
+    for the `p @ v` alone (in-order groups), so the tensor cores go from one to the other without a gap.
     """
     if QUERY_IN_CONSUMER:
         if WG == 0:
@@ -704,28 +747,33 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         if DEBUG == 1:
             _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-        for t in range(n_tiles if DEBUG != 1 else 0):
-            pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
+        if PIPE and DEBUG != 1:
+            # tile 0's score MMAs (with no tile, on whatever slot 0 holds: waited for below, never used)
+            if n_tiles > 0:
+                mbarrier.wait(full_bars.index(0), 0)
+            if FENCE_SLOTS:
+                fence_async_shared()
+            s = _qk1_scores(q_lat, q_rope, k_lat, k_rope, 0, zero_s)
+            for t in range(n_tiles - 1):
+                acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, t, q_lat, k_lat, k_rope, alpha_smem, p_bars, topk_row,
+                                          start, end, seq_len, visible_len, qk_scale, s_layout, o_layout,
+                                          BLOCK_N, STAGES, SPARSE)
+                nslot, nphase = _full_slot(full_bars, t + 1, STAGES, FENCE_SLOTS)
+                s = _qk1_scores(q_lat, q_rope, k_lat, k_rope, nslot, zero_s)  # behind this tile's `p @ v`
+                acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # the `p @ v` alone (in-order groups)
+                mbarrier.arrive(empty_bars.index(t % STAGES))
+            if n_tiles > 0:
+                acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, n_tiles - 1, q_lat, k_lat, k_rope, alpha_smem, p_bars,
+                                          topk_row, start, end, seq_len, visible_len, qk_scale, s_layout, o_layout,
+                                          BLOCK_N, STAGES, SPARSE)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index((n_tiles - 1) % STAGES))
+            s_done = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # (no tile: the scores issued above)
+        for t in range(n_tiles if DEBUG != 1 and not PIPE else 0):
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
-            kl = k_lat.index(slot)
-            s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-            s = gl.where(visible, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None]).to(kl.dtype)
-            m_i = m_new
-            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-            # p over the rope columns, whose last reader was the score MMA finished above
-            k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
-            alpha_smem.index(slot).store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_bars.index(slot))
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
+            acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s), acc, m_i, l_i, t,
+                                      q_lat, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
+                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
         l_smem.store(l_i)
@@ -769,7 +817,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    QK1: gl.constexpr = False,
+    QK1: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -872,7 +920,7 @@ def _mla_hopper_kernel(
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-    elif KSPLIT and QK1:
+    elif KSPLIT and QK1 > 0:
         # FlashInfer's division (measurement switch `QK_ONE`): warpgroup 0 the default partition, warpgroup 1 a worker
         alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -887,7 +935,7 @@ def _mla_hopper_kernel(
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QK1 == 2)),
             (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
                                   l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,

@@ -687,7 +687,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
         CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE),
-        QK1=ksplit and bool(_switched("QK_ONE", False)))
+        QK1=int(_switched("QK_ONE", 0)) if ksplit else 0)
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
