@@ -677,17 +677,24 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
+    qk1 = int(_switched("QK_ONE", 0)) if ksplit else 0
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
         STAGED_LOADERS=_switched("STAGED_LOADERS", staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse)),
         PARTIAL_EVICT_LAST=_switched("PARTIAL_EVICT_LAST", writes_partials),
-        KSPLIT=ksplit, MMA_REGS=ksplit_mma_regs(load_regs) if ksplit else 0,
+        KSPLIT=ksplit, MMA_REGS=(QK1_WORKER_REGS if qk1 else ksplit_mma_regs(load_regs)) if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
         CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE),
-        QK1=int(_switched("QK_ONE", 0)) if ksplit else 0)
+        QK1=qk1)
+
+
+# Registers of the qk1 division's warpgroup 1 (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and little else),
+# so that warpgroup 0 (scores, softmax, its own accumulator) gets the rest: 168 and up keep them from spilling (offline
+# sm_90a: 152 spills 370-670 B, 160-176 none but the FP8 kernel's 8 B, as without this).
+QK1_WORKER_REGS = 168
 
 
 def ksplit_mma_regs(load_regs: int) -> int:
