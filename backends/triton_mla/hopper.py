@@ -92,20 +92,23 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): True runs the k-split form's launch with FlashInfer's division of the MMA work
-# instead (`_mma_partition_qk1`): warpgroup 0 scores the whole tile (m64n64 over all 576 columns), runs the softmax
-# and hands p and the rescale factors to warpgroup 1 through the slot; each multiplies p by its 256 value columns.
-# 2: the same, with warpgroup 0 issuing the next tile's score MMAs right behind its `p @ v` (`PIPE`).
+# Measurement only (bench/hopper_dev.py): the k-split launch's division of the MMA work instead of
+# `launch.HOPPER_QK1`: 1 = FlashInfer's (`_mma_partition_qk1`: warpgroup 0 scores the whole tile, m64n64 over all 576
+# columns, runs the softmax and hands p and the rescale factors to warpgroup 1 through the slot; each multiplies p by
+# its 256 value columns), 2 = the same with warpgroup 0 issuing the next tile's score MMAs right behind its `p @ v`
+# (`PIPE`), 0 = the k-split division (`_mma_partition_ks`). None in production.
 QK_ONE = None
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False,
+                      qk1: bool = True) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and,
-    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; in the k-split form the
-    second warpgroup's fp16 partial scores."""
+    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; on the k-split launch, with the
+    k-split division (not `qk1`) the second warpgroup's fp16 partial scores, with the qk1 division the rescale factors
+    a slot and the row sums (p itself goes over the slot's rope columns)."""
     narrow = rows < ROWS.value
-    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow or ksplit else 0)
-            + (block_n * 576 if narrow and kv_fp8 else 0))
+    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow or (ksplit and not qk1) else 0)
+            + (block_n * 576 if narrow and kv_fp8 else 0) + ((stages + 1) * rows * 4 if ksplit and qk1 else 0))
 
 
 @gluon.jit

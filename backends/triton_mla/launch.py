@@ -250,8 +250,18 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # top-k positions in both warpgroups). 128 packed rows of 64 heads and two query tokens take it too (two row blocks);
 # measured there (ks_q2-h100-call108.txt, ks_q2_ragged-h100-call108.txt, H100): BF16 0.91-0.94 at batch 64-128 uniform,
 # 0.94-0.97 ragged, 0.97 / 1.01 at batch 16, 0.95 / 1.02 at 4; FP8 0.84-0.88 uniform at batch 64-128, 1.01-1.06 ragged.
+# Since round 48 this launch runs FlashInfer's division of the MMA work by default (`HOPPER_QK1`), and the table is
+# that division's: same process over the dispatched form (bench/results/qk-default-h100-call172.txt, H100, uniform
+# lengths): FP8 dense 128 heads 0.87-0.94 from batch 4 (0.995 at 1), 64 heads 0.93-0.94 at batch 64-128 and
+# 0.99-1.01 at 1-16; BF16 dense 128 heads 0.90-0.99 from batch 4 (1.03 at 1); sparse BF16 128 heads 0.86-0.88 at
+# batch 64-128, 1.05 at 4; not sparse FP8 (1.04-1.08), nor BF16 64 heads (1.00, HBM-bound); ragged lengths in call 173.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (16, None)}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 64), ("fp8", 64): (1, None), ("fp8", 128): (1, None)}
+# The k-split launch's division of the MMA work (hopper.py `_mma_partition_qk1` / `_mma_partition_ks`): 1 = one
+# warpgroup scores the whole tile and hands p to the other (FlashInfer's; rounds 48-49), 0 = the two split the scores
+# over k (round 26), 2 = 1 with the next tile's score MMAs issued behind `p @ v` (dense BF16 128 heads batch 64-128
+# 0.96-0.97 of 1, elsewhere 1.00-1.06: not used). Measurement switch `hopper.QK_ONE`.
+HOPPER_QK1 = 1
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
@@ -486,7 +496,7 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
             family.append(_table_tile("fp8" if kv_fp8 else "16bit", bucket, batch=batch, sparse=sparse,
                                       cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, HOPPER_SHAPE[0]), HOPPER_SHAPE[0]})]
-        if not sparse and bucket > HOPPER_SHAPE[0]:
+        if bucket >= HOPPER_SHAPE[0]:  # both wide forms, whichever the default is
             family.append(HOPPER_KSPLIT_TILE)
     splits = PARAM_SPACE["min_split_tokens"]
     scaled = [default._replace(min_split_tokens=min(max(int(default.min_split_tokens * f), splits[0]), splits[-1]))
@@ -677,7 +687,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
-    qk1 = int(_switched("QK_ONE", 0)) if ksplit else 0
+    qk1 = int(_switched("QK_ONE", HOPPER_QK1)) if ksplit else 0
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(

@@ -76,26 +76,36 @@ def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
 @pytest.mark.parametrize("kv,sparse,q_len,page_size", [
     ("bf16", False, 1, 64), ("fp16", False, 2, 16), ("fp8", False, 1, 64), ("fp8", False, 2, 128), ("bf16", True, 1, 1),
     ("fp8", True, 2, 1)])
-def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size):
+@pytest.mark.parametrize("division", [1, 0, 2])
+def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size, division, monkeypatch):
     from collections import Counter
 
     from offline_compile import hopper_compile
 
+    from mla_tune.backends.triton_mla import hopper
     from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
-    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_SHAPE
+    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_SHAPE, HOPPER_QK1
 
+    assert HOPPER_QK1 == 1  # the launch's default division: one warpgroup scores the whole tile
+    monkeypatch.setattr(hopper, "QK_ONE", division)  # (the switch, so that the launch's registers follow it)
     ptx, smem, report = hopper_compile(kv=kv, sparse=sparse, q_len=q_len, page_size=page_size, ksplit=True)
     block_n, stages = HOPPER_KSPLIT_SHAPE[1], HOPPER_KSPLIT_SHAPE[3]
-    assert hopper_smem_bytes(block_n=block_n, stages=stages, ksplit=True) <= smem <= SMEM_LIMIT, smem
-    # per tile: the scores as m64n64 in both warpgroups (20 k-steps over the rope and latent 0-255, 16 over latent
-    # 256-511), `p @ v` as m64n256 (4 k-steps each); no m64n32 of the token split
+    assert hopper_smem_bytes(block_n=block_n, stages=stages, ksplit=True, qk1=division > 0) <= smem <= SMEM_LIMIT, smem
+    # per tile: the scores as m64n64 (qk1: one warpgroup, 36 k-steps over all 576 columns; k-split: both, 20 k-steps
+    # over the rope and latent 0-255, 16 over latent 256-511), `p @ v` as m64n256 (4 k-steps a warpgroup); no
+    # m64n32. Division 2 peels its loop: the score MMAs before it and in it, warpgroup 0's `p @ v` in it and after it
+    # (twice the code, not the work)
     mmas = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))
-    assert mmas == {"m64n64k16": 36, "m64n256k16": 8}, mmas
-    assert "stmatrix" in ptx and "ldmatrix" in ptx, "the partial scores cross through shared memory"
+    assert mmas == ({"m64n64k16": 72, "m64n256k16": 12} if division == 2 else {"m64n64k16": 36, "m64n256k16": 8}), mmas
+    if division:  # p over the slot's rope columns (stmatrix), read there by warpgroup 1's wgmma
+        assert "stmatrix" in ptx and "ldmatrix" not in ptx
+    else:
+        assert "stmatrix" in ptx and "ldmatrix" in ptx, "the partial scores cross through shared memory"
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == "384"  # two MMA warpgroups and the loader
     assert "setmaxnreg.dec.sync.aligned.u32" in ptx
-    # spill stores with Triton 3.7.1: dense (where the dispatch runs it) 0 B (BF16), 12-16 B (FP8); sparse 176-260 B
-    assert _spill_bytes(report) <= (384 if sparse else 64), report
+    # spill stores with Triton 3.7.1: qk1 0 B (BF16), 8 B (FP8); k-split dense 0 B (BF16), 12-16 B (FP8), sparse
+    # 176-260 B
+    assert _spill_bytes(report) <= (384 if sparse and not division else 64), report
 
 
 @pytest.mark.parametrize("rows,mode,mmas", [
@@ -329,7 +339,8 @@ def test_fp8_slots_are_fenced_by_their_loader_and_16bit_ones_by_the_mma_warps(kv
     fenced, _, _ = hopper_compile(**kw, CONSUMER_FENCE=True)
     default, _, _ = hopper_compile(**kw)
     assert HOPPER_CONSUMER_FENCE is False
-    assert fences(default) == fences(fenced) - (kv == "fp8")
+    # (the k-split launch's qk1 division: both MMA warpgroups wait for the full slot, each would fence it)
+    assert fences(default) == fences(fenced) - (kv == "fp8") * (2 if ksplit else 1)
 
 
 @pytest.mark.parametrize("heads,kv_fp8,sparse,prefetch", [
@@ -358,24 +369,28 @@ def test_the_ksplit_fp8_form_prefetches_into_l2_where_measured(sparse, prefetch)
 
 
 @pytest.mark.parametrize("heads,q_len,batch,kv_fp8,sparse,ksplit", [
-    (128, 1, 16, False, False, True),   # BF16 128 heads from batch 16: 0.95 / 0.94 (uniform, H100 / H200), 0.99 ragged
-    (128, 1, 128, False, False, True),  # ... 0.91 / 0.93 uniform, 0.93 ragged at batch 128
-    (128, 1, 4, False, False, False),   # ... not at batch 4 (0.95 / 0.93 uniform, but 1.02 ragged)
-    (128, 1, 128, True, False, False),  # FP8: 0.85 uniform at batch 128 kv 16k, 1.01 ragged: the tuner decides
-    (64, 2, 64, False, False, True),    # 128 packed rows (two query tokens of 64 heads): 0.91 uniform, 0.97 ragged
-    (64, 1, 128, False, False, False),  # 64 heads: BF16 0.99-1.01 on the H100 (0.95 on the H200), FP8 1.02-1.03
-    (128, 1, 128, False, True, False),  # sparse: 1.03-1.04 slower
+    # the k-split launch with its qk1 division (call 172, H100, uniform lengths, over the wide form):
+    (128, 1, 4, False, False, True),    # BF16 128 heads from batch 4: 0.90
+    (128, 1, 128, False, False, True),  # ... 0.99 at batch 128 kv 16k (0.96 at batch 64 kv 4k)
+    (128, 1, 1, False, False, False),   # ... not at batch 1 (1.03)
+    (128, 1, 128, True, False, True),   # FP8 128 heads: 0.87 at batch 128 kv 16k
+    (64, 1, 1, True, False, True),      # FP8 64 heads from batch 1: 0.99 (0.93 at batch 128 kv 16k)
+    (64, 2, 64, False, False, True),    # 128 packed rows (two query tokens of 64 heads)
+    (64, 1, 128, False, False, False),  # BF16 64 heads: 1.00 (HBM-bound)
+    (128, 1, 128, False, True, True),   # sparse BF16 128 heads from batch 64: 0.86
+    (128, 1, 4, False, True, False),    # ... not at batch 4 (1.05)
+    (128, 1, 128, True, True, False),   # sparse FP8: 1.04
 ])
 def test_sm90_dispatch_of_the_ksplit_form(heads, q_len, batch, kv_fp8, sparse, ksplit):
-    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_TILE, candidate_tiles, default_params
+    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_TILE, HOPPER_TILE, candidate_tiles, default_params
 
     kwargs = dict(num_heads=heads, q_len=q_len, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8, cc_major=9)
     params = default_params(**kwargs, num_sms=132, lengths=[4096] * batch)
     assert params.warp_specialized and params.block_h == 64, params
     assert (params.num_warps == 4) == ksplit and params.label().startswith("h64n64w4" if ksplit else "h64n64w8")
-    # the tuner times both wide forms at dense 128 rows, whichever the default is
+    # the tuner times both wide forms from 64 rows, whichever the default is
     tiles = candidate_tiles(**kwargs)
-    assert (HOPPER_KSPLIT_TILE in tiles) == (not sparse and heads * q_len > 64), tiles
+    assert HOPPER_KSPLIT_TILE in tiles and HOPPER_TILE in tiles, tiles
 
 
 def test_warp_specialized_launch_needs_a_gpu():
