@@ -54,7 +54,7 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cf0": {"CONSUMER_FENCE": False}, "cf0pf1": {"CONSUMER_FENCE": False, "L2_PREFETCH": True},
             "cf0qc": {"CONSUMER_FENCE": False, "QUERY_IN_CONSUMER": True},
             "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
-            "qk1": {"QK_ONE": 1}, "qk2": {"QK_ONE": 2}, "qk1pf1": {"QK_ONE": 1, "L2_PREFETCH": True},
+            "qk0": {"QK_ONE": 0}, "qk1": {"QK_ONE": 1}, "qk2": {"QK_ONE": 2}, "qk1pf1": {"QK_ONE": 1, "L2_PREFETCH": True},
             "qk2pf1": {"QK_ONE": 2, "L2_PREFETCH": True}, "qk2qc": {"QK_ONE": 2, "QUERY_IN_CONSUMER": True}}
 
 
