@@ -254,9 +254,12 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # that division's: same process over the dispatched form (bench/results/qk-default-h100-call172.txt, H100, uniform
 # lengths): FP8 dense 128 heads 0.87-0.94 from batch 4 (0.995 at 1), 64 heads 0.93-0.94 at batch 64-128 and
 # 0.99-1.01 at 1-16; BF16 dense 128 heads 0.90-0.99 from batch 4 (1.03 at 1); sparse BF16 128 heads 0.86-0.88 at
-# batch 64-128, 1.05 at 4; not sparse FP8 (1.04-1.08), nor BF16 64 heads (1.00, HBM-bound); ragged lengths in call 173.
+# batch 64-128, 1.05 at 4; not sparse FP8 (1.04-1.08), nor BF16 64 heads (1.00, HBM-bound). Ragged lengths
+# (qk-ragged-h100-call173.txt): BF16 dense 128 heads 0.87-0.98 from batch 4, sparse BF16 128 heads 0.85-0.87 at batch
+# 64-128, FP8 dense 128 heads 1.03 at batch 4, 0.90-0.97 from 16, FP8 dense 64 heads 1.02 at batch 4-16, 0.95-1.00 at
+# 64-128. So FP8 dense 128 heads from batch 16 and 64 heads from 64, BF16 as measured uniform.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 64), ("fp8", 64): (1, None), ("fp8", 128): (1, None)}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 64), ("fp8", 64): (64, None), ("fp8", 128): (16, None)}
 # The k-split launch's division of the MMA work (hopper.py `_mma_partition_qk1` / `_mma_partition_ks`): 1 = one
 # warpgroup scores the whole tile and hands p to the other (FlashInfer's; rounds 48-49), 0 = the two split the scores
 # over k (round 26), 2 = 1 with the next tile's score MMAs issued behind `p @ v` (dense BF16 128 heads batch 64-128
