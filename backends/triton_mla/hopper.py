@@ -26,13 +26,17 @@ one loader warpgroup for a dense cache, two for a sparse one, each one half of e
 16-bit caches use two plain loaders, one per slot. Device calls 58-59 and 66-69, bench/TRITON_NOTES.md rounds 18
 and 20.
 
-The k-split wide form (a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`; `_mma_partition_ks`): the two MMA
+The 4-warp launch (`launch.HOPPER_KSPLIT_SHAPE`) by default divides the MMA work as FlashInfer's Hopper MLA kernel
+does (`_mma_partition_qk1`, `launch.HOPPER_QK1`, round 48): warpgroup 0 scores the whole tile (m64n64 over all 576
+columns), runs the softmax and hands p to warpgroup 1 over the slot's rope columns; each multiplies p by half the value
+columns. It takes 0.86-0.94 of the wide form's time where the MMA warps bound (FP8 dense 64-128 heads, BF16 dense and
+sparse 128 heads; bench/TRITON_NOTES.md, device calls 170-173), and `launch.HOPPER_KSPLIT_MIN_BATCH` runs it there.
+Its earlier division, the k-split wide form (`QK_ONE = 0`; `_mma_partition_ks`): the two MMA
 warpgroups are two partitions, each scoring all 64 tokens of a tile over its part of the 576 query columns
 (m64n64 instead of m64n32), with one exchange of fp16 partial scores a tile; each then runs the same softmax
-and keeps p in registers. By default it runs dense BF16 128-row buckets (two row blocks a request) from
-`launch.HOPPER_KSPLIT_MIN_BATCH`, where it took 0.91-0.99 of the wide form's time; FP8 wins only with long programs
-(0.85-0.90 with one split of 64-256 tiles, 1.01-1.08 with ragged lengths), so the tuner decides there (device calls
-98-105, bench/TRITON_NOTES.md round 26).
+and keeps p in registers. It ran dense BF16 128-row buckets (two row blocks a request) from batch 16, where it
+took 0.91-0.99 of the wide form's time; with FP8 0.85-0.90 with one split of 64-256 tiles, 1.01-1.08 with ragged
+lengths (device calls 98-105, bench/TRITON_NOTES.md round 26).
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
