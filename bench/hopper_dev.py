@@ -55,7 +55,8 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cf0qc": {"CONSUMER_FENCE": False, "QUERY_IN_CONSUMER": True},
             "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
             "qk0": {"QK_ONE": 0}, "qk1": {"QK_ONE": 1}, "qk2": {"QK_ONE": 2}, "qk1pf1": {"QK_ONE": 1, "L2_PREFETCH": True},
-            "qk2pf1": {"QK_ONE": 2, "L2_PREFETCH": True}, "qk2qc": {"QK_ONE": 2, "QUERY_IN_CONSUMER": True}}
+            "qk2pf1": {"QK_ONE": 2, "L2_PREFETCH": True}, "qk2qc": {"QK_ONE": 2, "QUERY_IN_CONSUMER": True},
+            "qk1qc": {"QK_ONE": 1, "QUERY_IN_CONSUMER": True}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU
