@@ -257,9 +257,11 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # batch 64-128, 1.05 at 4; not sparse FP8 (1.04-1.08), nor BF16 64 heads (1.00, HBM-bound). Ragged lengths
 # (qk-ragged-h100-call173.txt): BF16 dense 128 heads 0.87-0.98 from batch 4, sparse BF16 128 heads 0.85-0.87 at batch
 # 64-128, FP8 dense 128 heads 1.03 at batch 4, 0.90-0.97 from 16, FP8 dense 64 heads 1.02 at batch 4-16, 0.95-1.00 at
-# 64-128. So FP8 dense 128 heads from batch 16 and 64 heads from 64, BF16 as measured uniform.
+# 64-128. So FP8 dense 128 heads from batch 16 and 64 heads from 64, BF16 as measured uniform. Sparse BF16 128 heads
+# with the query loaded by warpgroup 0 (`QUERY_BEFORE_PARTITIONS`; qk1-query-h100-call178.txt): 0.98 / 0.96 / 0.89 /
+# 0.87 of the wide form's time at batch 4 / 16 / 64 / 128, so from batch 4.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 64), ("fp8", 64): (64, None), ("fp8", 128): (16, None)}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 4), ("fp8", 64): (64, None), ("fp8", 128): (16, None)}
 # The k-split launch's division of the MMA work (hopper.py `_mma_partition_qk1` / `_mma_partition_ks`): 1 = one
 # warpgroup scores the whole tile and hands p to the other (FlashInfer's; rounds 48-49), 0 = the two split the scores
 # over k (round 26), 2 = 1 with the next tile's score MMAs issued behind `p @ v` (dense BF16 128 heads batch 64-128
@@ -652,9 +654,11 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 # alone ran as fast either way (calls 123 and 130: its loader's global loads waited longer; call 135 later showed the MMA
 # warps' proxy fence waiting behind an early loader, removed in round 36, after which the query by the MMA warps read
 # 0.97-1.005 there against 0.93-0.95 for the L2 prefetch, call 136; both together not measured), and the k-split form
-# (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner runs, not measured).
-QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense")} | {("ksplit", kv, kind) for kv in ("16bit", "fp8")
-                                                         for kind in ("dense", "sparse")}
+# (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner ran, not measured). With its qk1
+# division (round 48) sparse BF16 loads it in warpgroup 0: 0.98 / 0.97 / 0.99 / 0.99 of the time at 128 heads batch
+# 4 / 16 / 64 / 128 (qk1-query-h100-call178.txt); the rest of that launch not measured.
+QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"), ("ksplit", "fp8", "dense"),
+                           ("ksplit", "fp8", "sparse")}
 
 
 # Forms (as in QUERY_BEFORE_PARTITIONS) whose FP8 register loader asks the L2 for the next tile's lines before it waits

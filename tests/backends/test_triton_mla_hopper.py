@@ -275,7 +275,7 @@ def test_sm90_dispatch_on_measured_cases(heads, batch, items, kv_fp8, sparse, ho
 
 @pytest.mark.parametrize("kv,rows,sparse,ksplit", [
     ("bf16", 64, False, False), ("fp8", 64, False, False), ("fp8", 16, False, False), ("bf16", 32, True, False),
-    ("bf16", 64, False, True)])
+    ("bf16", 64, False, True), ("bf16", 64, True, True)])
 def test_the_query_is_loaded_before_the_partitions_or_by_the_mma_warps(kv, rows, sparse, ksplit):
     # Code before `warp_specialize` runs on the MMA warps while the loader waits at the partitions' start (PTX
     # `barrier.sync 1`): with QUERY_IN_CONSUMER no query load is left there, so the loader's first copies do not wait
@@ -296,7 +296,8 @@ def test_the_query_is_loaded_before_the_partitions_or_by_the_mma_warps(kv, rows,
     (16, True, False, 64, True), (32, False, True, 64, True),   # narrow forms
     (64, False, False, 64, True), (64, True, True, 64, True),   # wide: BF16, sparse FP8
     (64, True, False, 64, False),                               # wide FP8 dense: 1.02-1.22x slower inside
-    (128, False, False, 128, False),                            # the k-split form
+    (128, False, False, 128, False),                            # the 4-warp launch (qk1), dense
+    (128, False, True, 128, True),                              # ... sparse BF16: 0.97-0.99 inside (call 178)
 ])
 def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, inside):
     from mla_tune.backends.triton_mla.launch import default_params, hopper_form
@@ -379,8 +380,9 @@ def test_the_ksplit_fp8_form_prefetches_into_l2_where_measured(sparse, prefetch)
     (64, 1, 16, True, False, False),    # ... not at batch 1-16 (0.99-1.01 uniform, 1.02 ragged)
     (64, 2, 64, False, False, True),    # 128 packed rows (two query tokens of 64 heads)
     (64, 1, 128, False, False, False),  # BF16 64 heads: 1.00 (HBM-bound)
-    (128, 1, 128, False, True, True),   # sparse BF16 128 heads from batch 64: 0.86
-    (128, 1, 4, False, True, False),    # ... not at batch 4 (1.05)
+    (128, 1, 128, False, True, True),   # sparse BF16 128 heads from batch 4, the query by warpgroup 0: 0.87 at 128
+    (128, 1, 4, False, True, True),     # ... 0.98 at batch 4 (call 178)
+    (128, 1, 1, False, True, False),    # ... not at batch 1 (not measured)
     (128, 1, 128, True, True, False),   # sparse FP8: 1.04
 ])
 def test_sm90_dispatch_of_the_ksplit_form(heads, q_len, batch, kv_fp8, sparse, ksplit):
