@@ -265,7 +265,7 @@ HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 4), ("fp8", 64): (64, None), ("fp
 # The k-split launch's division of the MMA work (hopper.py `_mma_partition_qk1` / `_mma_partition_ks`): 1 = one
 # warpgroup scores the whole tile and hands p to the other (FlashInfer's; rounds 48-49), 0 = the two split the scores
 # over k (round 26), 2 = 1 with the next tile's score MMAs issued behind `p @ v` (dense BF16 128 heads batch 64-128
-# 0.96-0.97 of 1, elsewhere 1.00-1.06: not used). Measurement switch `hopper.QK_ONE`.
+# 0.95-0.99 of 1 (calls 171-172), elsewhere 1.00-1.06: not used). Measurement switch `hopper.QK_ONE`.
 HOPPER_QK1 = 1
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
