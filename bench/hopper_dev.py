@@ -53,10 +53,7 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "pf1qc": {"L2_PREFETCH": True, "QUERY_IN_CONSUMER": True},
             "cf0": {"CONSUMER_FENCE": False}, "cf0pf1": {"CONSUMER_FENCE": False, "L2_PREFETCH": True},
             "cf0qc": {"CONSUMER_FENCE": False, "QUERY_IN_CONSUMER": True},
-            "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
-            "qk0": {"QK_ONE": 0}, "qk1": {"QK_ONE": 1}, "qk2": {"QK_ONE": 2}, "qk1pf1": {"QK_ONE": 1, "L2_PREFETCH": True},
-            "qk2pf1": {"QK_ONE": 2, "L2_PREFETCH": True}, "qk2qc": {"QK_ONE": 2, "QUERY_IN_CONSUMER": True},
-            "qk1qc": {"QK_ONE": 1, "QUERY_IN_CONSUMER": True}}
+            "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU
@@ -67,8 +64,7 @@ def candidate(spec: str):
     ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
     '@' and a measurement mode of hopper.py for its runs alone ('fp8:dflt@decoupled') -> (KV kind it is
     timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with
-    min_split_tokens 256], the k-split wide form
-    `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
+    min_split_tokens 256], the 4-warp launch `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
     one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")

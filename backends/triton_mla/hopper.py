@@ -26,17 +26,15 @@ one loader warpgroup for a dense cache, two for a sparse one, each one half of e
 16-bit caches use two plain loaders, one per slot. Device calls 58-59 and 66-69, bench/TRITON_NOTES.md rounds 18
 and 20.
 
-The 4-warp launch (`launch.HOPPER_KSPLIT_SHAPE`) by default divides the MMA work as FlashInfer's Hopper MLA kernel
-does (`_mma_partition_qk1`, `launch.HOPPER_QK1`, round 48): warpgroup 0 scores the whole tile (m64n64 over all 576
-columns), runs the softmax and hands p to warpgroup 1 over the slot's rope columns; each multiplies p by half the value
-columns. It takes 0.86-0.94 of the wide form's time where the MMA warps bound (FP8 dense 64-128 heads, BF16 dense and
-sparse 128 heads; bench/TRITON_NOTES.md, device calls 170-173), and `launch.HOPPER_KSPLIT_MIN_BATCH` runs it there.
-Its earlier division, the k-split wide form (`QK_ONE = 0`; `_mma_partition_ks`): the two MMA
-warpgroups are two partitions, each scoring all 64 tokens of a tile over its part of the 576 query columns
-(m64n64 instead of m64n32), with one exchange of fp16 partial scores a tile; each then runs the same softmax
-and keeps p in registers. It ran dense BF16 128-row buckets (two row blocks a request) from batch 16, where it
-took 0.91-0.99 of the wide form's time; with FP8 0.85-0.90 with one split of 64-256 tiles, 1.01-1.08 with ragged
-lengths (device calls 98-105, bench/TRITON_NOTES.md round 26).
+The 4-warp launch (`launch.HOPPER_KSPLIT_SHAPE`, named after its first division of the work) divides the MMA work
+as FlashInfer's Hopper MLA kernel does (`_mma_partition_qk1`, round 48): warpgroup 0 scores the whole tile (m64n64
+over all 576 columns), runs the softmax and hands p to warpgroup 1 over the slot's rope columns; each multiplies p by
+half the value columns. Its MMA warps alone took 0.85-0.94 of the then dispatched forms' (BF16, call 170), the
+kernel 0.86-0.99 of their time where the MMA warps bound (FP8 dense 64-128 heads, BF16 dense and sparse 128 heads;
+bench/TRITON_NOTES.md, device calls 170-173), where `launch.HOPPER_KSPLIT_MIN_BATCH` runs it. It replaced the k-split
+division (round 26: each warpgroup scored all 64 tokens over half the 576 columns and the two exchanged fp16 partial
+scores), which was within 1% of it at dense BF16 128 heads batch 64-128 and slower everywhere else measured (calls
+170 and 173); commit f5c05d3 has that division and round 49's variant of qk1.
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
@@ -46,7 +44,7 @@ The query: code before `gl.warp_specialize` runs on the MMA warps while the load
 each MMA partition loads the query into shared memory itself (`_store_query`) and the loader streams KV tiles from
 the start: 0.91-1.00 of the time with 1-16 tiles a program (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
 for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
-122-130) and the k-split form.
+122-130) and the 4-warp launch but for its sparse BF16 form (call 178).
 
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring,
 216 KiB for two 64-token slots (`hopper_smem_bytes`); one program per SM. Slots of 32 tokens would leave
@@ -96,23 +94,15 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
 # `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py): the k-split launch's division of the MMA work instead of
-# `launch.HOPPER_QK1`: 1 = FlashInfer's (`_mma_partition_qk1`: warpgroup 0 scores the whole tile, m64n64 over all 576
-# columns, runs the softmax and hands p and the rescale factors to warpgroup 1 through the slot; each multiplies p by
-# its 256 value columns), 2 = the same with warpgroup 0 issuing the next tile's score MMAs right behind its `p @ v`
-# (`PIPE`), 0 = the k-split division (`_mma_partition_ks`). None in production.
-QK_ONE = None
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False,
-                      qk1: bool = True) -> int:
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and,
-    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; on the k-split launch, with the
-    k-split division (not `qk1`) the second warpgroup's fp16 partial scores, with the qk1 division the rescale factors
-    a slot and the row sums (p itself goes over the slot's rope columns)."""
+    in the narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; on the 4-warp launch the
+    rescale factors a slot and the row sums (p itself goes over the slot's rope columns)."""
     narrow = rows < ROWS.value
-    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow or (ksplit and not qk1) else 0)
-            + (block_n * 576 if narrow and kv_fp8 else 0) + ((stages + 1) * rows * 4 if ksplit and qk1 else 0))
+    return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
+            + (block_n * 576 if narrow and kv_fp8 else 0) + ((stages + 1) * rows * 4 if ksplit else 0))
 
 
 @gluon.jit
@@ -136,24 +126,22 @@ def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: g
 @gluon.jit
 def _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale,
                  Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
-                 WARPS: gl.constexpr, COL0: gl.constexpr = 0, N_COLS: gl.constexpr = 512, ROPE: gl.constexpr = True):
-    """Latent columns `COL0 .. COL0 + N_COLS - 1` (and, with `ROPE`, the 64 rope columns) of the query's rows into
-    `q_lat` / `q_rope` (FP8: scaled by `q_scale`, then rounded to fp16), by `WARPS` warps: every load is issued
-    before the first store, so the round trips overlap. Fenced for wgmma."""
+                 WARPS: gl.constexpr):
+    """The query's rows into `q_lat` / `q_rope` (FP8: scaled by `q_scale`, then rounded to fp16), by `WARPS` warps:
+    every load is issued before the first store, so the round trips overlap. Fenced for wgmma."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, layout), Q_LEN, SPARSE, N_ROWS)
     q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
-    lat = gl.load(q_row[:, None] + COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, layout))[None, :],
+    lat = gl.load(q_row[:, None] + gl.arange(0, 512, layout=gl.SliceLayout(0, layout))[None, :],
                   mask=row_ok[:, None], other=0.0)
-    if ROPE:
-        rope = gl.load(q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :],
-                       mask=row_ok[:, None], other=0.0)
-        if KV_FP8:
-            rope = (rope.to(gl.float32) * q_scale).to(gl.float16)
-        q_rope.store(rope)
+    rope = gl.load(q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :],
+                   mask=row_ok[:, None], other=0.0)
+    if KV_FP8:
+        rope = (rope.to(gl.float32) * q_scale).to(gl.float16)
+    q_rope.store(rope)
     if KV_FP8:
         lat = (lat.to(gl.float32) * q_scale).to(gl.float16)
-    q_lat.slice(COL0, N_COLS, dim=1).store(lat)
+    q_lat.store(lat)
     fence_async_shared()
 
 
@@ -584,96 +572,6 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
 
 
 @gluon.jit
-def _mma_partition_ks(q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
-                      o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                      qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls,
-                      stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                      DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                      FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
-    """One of the k-split wide form's two MMA warpgroups (`KSPLIT`: a 4-warp launch, `launch.HOPPER_KSPLIT_SHAPE`).
-
-    Warpgroup `WG` scores all of the tile's tokens over its part of the 576 query columns (0: the rope and
-    latent 0-255, 20 k-steps; 1: latent 256-511, 16 k-steps) as one m64n64 wgmma chain: per k-step it reads
-    2 KiB of the query and 2 KiB of keys for 64 x 64 products, where the token-split form reads 2 KiB of
-    query for 64 x 32 (the query's shared-memory traffic halves). The two partial scores, scaled to base-2
-    logits and rounded to fp16, are exchanged through shared memory: warpgroup 0 writes its partial over the
-    slot's rope columns (which only its own, finished, MMAs read), warpgroup 1 into `x1`. Each warpgroup
-    then holds the same full scores (the same two fp16 values added in fp32), runs the same online softmax
-    on them, and multiplies its p, kept in registers, by its 256 of the 512 value columns. One exchange a
-    tile; no row max or p crosses between the warpgroups.
-    """
-    if QUERY_IN_CONSUMER:  # each warpgroup the query columns it scores
-        if WG == 0:
-            _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
-                         SPARSE, ROWS, KV_FP8, 4, 0, 256, True)
-        else:
-            _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN,
-                         SPARSE, ROWS, KV_FP8, 4, 256, 256, False)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 256, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    qi, _, _ = _rows(pid_m, num_heads, rows_s, Q_LEN, SPARSE)
-    visible_len = seq_len - Q_LEN + 1 + qi  # MTP: query token i sees the first seq_len - q_len + 1 + i keys
-    acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, rows_s)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    if DEBUG == 1:
-        _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-    for t in range(n_tiles if DEBUG != 1 else 0):
-        pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, cols_s, BLOCK_N, SPARSE)
-        slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
-        kl = k_lat.index(slot)
-        if WG == 0:
-            s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_lat.slice(0, 256, dim=1), kl.slice(0, 256, dim=1).permute((1, 0)), s,
-                              is_async=True)
-        else:
-            s = warpgroup_mma(q_lat.slice(256, 256, dim=1), kl.slice(256, 256, dim=1).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mine = (s * qk_scale).to(gl.float16)
-        x0 = k_rope.index(slot)._reinterpret(gl.float16, [ROWS, BLOCK_N], x1.layout)  # (a BF16 slot's rope too)
-        if WG == 0:
-            x0.store(mine)  # the rope columns' last reader was this warpgroup's score MMA, finished above
-            mbarrier.arrive(x0_bars.index(slot))
-            mbarrier.wait(x1_bars.index(slot), phase)
-            other = x1.load(s_layout)
-            mbarrier.arrive(x1_free)  # warpgroup 1 may write its next partial
-        else:
-            mbarrier.wait(x1_free, (t & 1) ^ 1)  # warpgroup 0 has read the previous partial (passes at t = 0)
-            x1.store(mine)
-            mbarrier.arrive(x1_bars.index(slot))
-            mbarrier.wait(x0_bars.index(slot), phase)
-            other = x0.load(s_layout)
-        s = mine.to(gl.float32) + other.to(gl.float32)  # the same sum in both warpgroups
-        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-        s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None]).to(kl.dtype)
-        m_i = m_new
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(WG * 256, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index(slot))
-
-    # this warpgroup's 256 output columns; warpgroup 0 writes the LSE (both hold the same m, l)
-    _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
-              stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN, SPARSE,
-              EVICT_LAST, WG * 256, 256, WG == 0)
-
-
-@gluon.jit
 def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
     """`_mma_partition_qk1`'s score MMAs of ring slot `slot` (m64n64 over all 576 columns), issued, not waited for:
     two wgmma groups."""
@@ -682,7 +580,7 @@ def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
 
 
 @gluon.jit
-def _qk1_tile(s, acc, m_i, l_i, t, q_lat, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
+def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
               visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, SPARSE: gl.constexpr):
     """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
@@ -704,7 +602,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, q_lat, k_lat, k_rope, alpha_smem, p_bars, top
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(scores - m_safe[:, None]).to(kl.dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-    k_rope.index(slot)._reinterpret(kl.dtype, [q_lat.shape[0], BLOCK_N], p_smem_layout).store(p)
+    k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
     alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(p_bars.index(slot))
@@ -720,16 +618,14 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                        stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                        DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, PIPE: gl.constexpr = False):
-    """One of two MMA warpgroups that divide a tile's work as FlashInfer's Hopper MLA kernel does (measurement switch
-    `QK_ONE`, on the k-split form's 4-warp launch). Warpgroup 0 scores all 64 tokens over all 576 columns (one
+                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+    """One of the 4-warp launch's two MMA warpgroups, which divide a tile's work as FlashInfer's Hopper MLA kernel
+    does. Warpgroup 0 scores all 64 tokens over all 576 columns (one
     m64n64 wgmma chain: the query read once a tile, no partial scores to exchange), runs the online softmax (rows on
     M: the row max and sums stay inside each quad of lanes) and hands p to warpgroup 1 in the slot's rope columns
     (which only its own finished score MMAs read) with the tile's rescale factors; each then multiplies p by its
     256 of the 512 value columns (warpgroup 0 from registers, warpgroup 1 from shared memory). Warpgroup 1 never
-    scores, so the softmax runs once a tile, not twice; at the end warpgroup 0 hands over the row sums. With `PIPE`
-    warpgroup 0 issues tile t + 1's score MMAs right after tile t's `p @ v` (once that slot is full) and then waits
-    for the `p @ v` alone (in-order groups), so the tensor cores go from one to the other without a gap.
+    scores, so the softmax runs once a tile, not twice; at the end warpgroup 0 hands over the row sums.
     """
     if QUERY_IN_CONSUMER:
         if WG == 0:
@@ -739,9 +635,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -754,32 +648,10 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         if DEBUG == 1:
             _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-        if PIPE and DEBUG != 1:
-            # tile 0's score MMAs (with no tile, on whatever slot 0 holds: waited for below, never used)
-            if n_tiles > 0:
-                mbarrier.wait(full_bars.index(0), 0)
-            if FENCE_SLOTS:
-                fence_async_shared()
-            s = _qk1_scores(q_lat, q_rope, k_lat, k_rope, 0, zero_s)
-            for t in range(n_tiles - 1):
-                acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, t, q_lat, k_lat, k_rope, alpha_smem, p_bars, topk_row,
-                                          start, end, seq_len, visible_len, qk_scale, s_layout, o_layout,
-                                          BLOCK_N, STAGES, SPARSE)
-                nslot, nphase = _full_slot(full_bars, t + 1, STAGES, FENCE_SLOTS)
-                s = _qk1_scores(q_lat, q_rope, k_lat, k_rope, nslot, zero_s)  # behind this tile's `p @ v`
-                acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # the `p @ v` alone (in-order groups)
-                mbarrier.arrive(empty_bars.index(t % STAGES))
-            if n_tiles > 0:
-                acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, n_tiles - 1, q_lat, k_lat, k_rope, alpha_smem, p_bars,
-                                          topk_row, start, end, seq_len, visible_len, qk_scale, s_layout, o_layout,
-                                          BLOCK_N, STAGES, SPARSE)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty_bars.index((n_tiles - 1) % STAGES))
-            s_done = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # (no tile: the scores issued above)
-        for t in range(n_tiles if DEBUG != 1 and not PIPE else 0):
+        for t in range(n_tiles if DEBUG != 1 else 0):
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
             acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s), acc, m_i, l_i, t,
-                                      q_lat, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
+                                      k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
                                       visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
@@ -824,7 +696,6 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    QK1: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -927,8 +798,8 @@ def _mla_hopper_kernel(
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 1, 2))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-    elif KSPLIT and QK1 > 0:
-        # FlashInfer's division (measurement switch `QK_ONE`): warpgroup 0 the default partition, warpgroup 1 a worker
+    elif KSPLIT:
+        # the 4-warp launch (FlashInfer's division): warpgroup 0 the default partition, warpgroup 1 a worker
         alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         p_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -942,40 +813,13 @@ def _mla_hopper_kernel(
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QK1 == 2)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
                                   l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
                                   FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
-            [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
-    elif KSPLIT:
-        # the k-split wide form: warpgroup 0 is the default partition (the launch's 4 warps), warpgroup 1 a worker
-        x1 = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK_N], smem_layout)
-        x0_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        x1_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        x1_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(x0_bars.index(i), count=1)
-            mbarrier.init(x1_bars.index(i), count=1)
-        mbarrier.init(x1_free, count=1)
-        gl.warp_specialize([
-            (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
-                                 o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
-                                 store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                 stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                 BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                 FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-            (_mma_partition_ks, (q_lat, q_rope, k_lat, k_rope, x1, full_bars, empty_bars, x0_bars, x1_bars, x1_free,
-                                 o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles,
-                                 store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                 stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                 BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                 FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 0, 1, L2_PREFETCH))],

@@ -38,9 +38,9 @@ HOPPER_SHAPE = (64, 64, 8, 2)
 # FP8: one or two loader warpgroups with a cp.async staging ring (8 or 12 warps, `staged_loaders`), 16-bit: two
 # loader warpgroups, one per slot (12 warps).
 HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
-# Its k-split wide form: 64 rows as two 4-warp MMA partitions that split the scores over the 576 query columns
-# (`hopper._mma_partition_ks`), told apart from the wide form by its 4 launch warps (the first MMA warpgroup; the
-# second and the loader are workers).
+# Its 4-warp launch (named after its first division, the k-split): 64 rows as two 4-warp MMA partitions, the first
+# scoring the whole tile and handing p to the second (`hopper._mma_partition_qk1`), told apart from the wide form by
+# its 4 launch warps (the first MMA warpgroup; the second and the loader are workers).
 HOPPER_KSPLIT_SHAPE = (64, 64, 4, 2)
 WARP_SPECIALIZED_SHAPES = (*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE)  # every launch shape the kernel has
 HOPPER_MAXNREG = 168
@@ -250,8 +250,8 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # top-k positions in both warpgroups). 128 packed rows of 64 heads and two query tokens take it too (two row blocks);
 # measured there (ks_q2-h100-call108.txt, ks_q2_ragged-h100-call108.txt, H100): BF16 0.91-0.94 at batch 64-128 uniform,
 # 0.94-0.97 ragged, 0.97 / 1.01 at batch 16, 0.95 / 1.02 at 4; FP8 0.84-0.88 uniform at batch 64-128, 1.01-1.06 ragged.
-# Since round 48 this launch runs FlashInfer's division of the MMA work by default (`HOPPER_QK1`), and the table is
-# that division's: same process over the dispatched form (bench/results/qk-default-h100-call172.txt, H100, uniform
+# Since round 48 this launch runs FlashInfer's division of the MMA work (`hopper._mma_partition_qk1`), and the table
+# is that division's: same process over the dispatched form (bench/results/qk-default-h100-call172.txt, H100, uniform
 # lengths): FP8 dense 128 heads 0.87-0.94 from batch 4 (0.995 at 1), 64 heads 0.93-0.94 at batch 64-128 and
 # 0.99-1.01 at 1-16; BF16 dense 128 heads 0.90-0.99 from batch 4 (1.03 at 1); sparse BF16 128 heads 0.86-0.88 at
 # batch 64-128, 1.05 at 4; not sparse FP8 (1.04-1.08), nor BF16 64 heads (1.00, HBM-bound). Ragged lengths
@@ -262,11 +262,6 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 0.87 of the wide form's time at batch 4 / 16 / 64 / 128, so from batch 4.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 4), ("fp8", 64): (64, None), ("fp8", 128): (16, None)}
-# The k-split launch's division of the MMA work (hopper.py `_mma_partition_qk1` / `_mma_partition_ks`): 1 = one
-# warpgroup scores the whole tile and hands p to the other (FlashInfer's; rounds 48-49), 0 = the two split the scores
-# over k (round 26), 2 = 1 with the next tile's score MMAs issued behind `p @ v` (dense BF16 128 heads batch 64-128
-# 0.95-0.99 of 1 (calls 171-172), elsewhere 1.00-1.06: not used). Measurement switch `hopper.QK_ONE`.
-HOPPER_QK1 = 1
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
@@ -655,7 +650,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 # warps' proxy fence waiting behind an early loader, removed in round 36, after which the query by the MMA warps read
 # 0.97-1.005 there against 0.93-0.95 for the L2 prefetch, call 136; both together not measured), and the k-split form
 # (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner ran, not measured). With its qk1
-# division (round 48) sparse BF16 loads it in warpgroup 0: 0.98 / 0.97 / 0.99 / 0.99 of the time at 128 heads batch
+# division (round 48) sparse BF16 loads it in warpgroup 0: 0.97 / 0.97 / 0.99 / 0.99 of the time at 128 heads batch
 # 4 / 16 / 64 / 128 (qk1-query-h100-call178.txt); the rest of that launch not measured.
 QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"), ("ksplit", "fp8", "dense"),
                            ("ksplit", "fp8", "sparse")}
@@ -694,27 +689,20 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
-    qk1 = int(_switched("QK_ONE", HOPPER_QK1)) if ksplit else 0
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
         STAGED_LOADERS=_switched("STAGED_LOADERS", staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse)),
         PARTIAL_EVICT_LAST=_switched("PARTIAL_EVICT_LAST", writes_partials),
-        KSPLIT=ksplit, MMA_REGS=(QK1_WORKER_REGS if qk1 else ksplit_mma_regs(load_regs)) if ksplit else 0,
+        KSPLIT=ksplit, MMA_REGS=QK1_WORKER_REGS if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
-        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE),
-        QK1=qk1)
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE))
 
 
-# Registers of the qk1 division's warpgroup 1 (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and little else),
-# so that warpgroup 0 (scores, softmax, its own accumulator) gets the rest: 168 and up keep them from spilling (offline
-# sm_90a: 152 spills 370-670 B, 160-176 none but the FP8 kernel's 8 B, as without this).
+# Registers of the 4-warp launch's second MMA warpgroup (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and
+# little else), so that the first (scores, softmax, its own accumulator) gets the rest of the three warpgroups'
+# `HOPPER_MAXNREG`: 168 and up keep them from spilling (offline sm_90a: 152 spills 370-670 B, 160-176 none but the FP8
+# kernel's 8 B).
 QK1_WORKER_REGS = 168
-
-
-def ksplit_mma_regs(load_regs: int) -> int:
-    """Registers of the k-split form's second MMA warpgroup: about half of what the three warpgroups'
-    `HOPPER_MAXNREG` leaves beside the loader, in steps of 8 (Triton gives the first the rest)."""
-    return (3 * HOPPER_MAXNREG - load_regs) // 2 // 8 * 8

@@ -76,36 +76,27 @@ def test_hopper_narrow_form_compiles_for_sm90a(kv, sparse, q_len, rows):
 @pytest.mark.parametrize("kv,sparse,q_len,page_size", [
     ("bf16", False, 1, 64), ("fp16", False, 2, 16), ("fp8", False, 1, 64), ("fp8", False, 2, 128), ("bf16", True, 1, 1),
     ("fp8", True, 2, 1)])
-@pytest.mark.parametrize("division", [1, 0, 2])
-def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size, division, monkeypatch):
+def test_hopper_ksplit_form_compiles_for_sm90a(kv, sparse, q_len, page_size):
     from collections import Counter
 
     from offline_compile import hopper_compile
 
-    from mla_tune.backends.triton_mla import hopper
     from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
-    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_SHAPE, HOPPER_QK1
+    from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_SHAPE
 
-    assert HOPPER_QK1 == 1  # the launch's default division: one warpgroup scores the whole tile
-    monkeypatch.setattr(hopper, "QK_ONE", division)  # (the switch, so that the launch's registers follow it)
     ptx, smem, report = hopper_compile(kv=kv, sparse=sparse, q_len=q_len, page_size=page_size, ksplit=True)
     block_n, stages = HOPPER_KSPLIT_SHAPE[1], HOPPER_KSPLIT_SHAPE[3]
-    assert hopper_smem_bytes(block_n=block_n, stages=stages, ksplit=True, qk1=division > 0) <= smem <= SMEM_LIMIT, smem
-    # per tile: the scores as m64n64 (qk1: one warpgroup, 36 k-steps over all 576 columns; k-split: both, 20 k-steps
-    # over the rope and latent 0-255, 16 over latent 256-511), `p @ v` as m64n256 (4 k-steps a warpgroup); no
-    # m64n32. Division 2 peels its loop: the score MMAs before it and in it, warpgroup 0's `p @ v` in it and after it
-    # (twice the code, not the work)
+    assert hopper_smem_bytes(block_n=block_n, stages=stages, ksplit=True) <= smem <= SMEM_LIMIT, smem
+    # per tile: the scores as m64n64 in one warpgroup (36 k-steps over all 576 columns), `p @ v` as m64n256 (4 k-steps
+    # a warpgroup); no m64n32 of the token split
     mmas = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))
-    assert mmas == ({"m64n64k16": 72, "m64n256k16": 12} if division == 2 else {"m64n64k16": 36, "m64n256k16": 8}), mmas
-    if division:  # p over the slot's rope columns (stmatrix), read there by warpgroup 1's wgmma
-        assert "stmatrix" in ptx and "ldmatrix" not in ptx
-    else:
-        assert "stmatrix" in ptx and "ldmatrix" in ptx, "the partial scores cross through shared memory"
+    assert mmas == {"m64n64k16": 36, "m64n256k16": 8}, mmas
+    # p over the slot's rope columns (stmatrix), read there by the second warpgroup's wgmma, not back into registers
+    assert "stmatrix" in ptx and "ldmatrix" not in ptx
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == "384"  # two MMA warpgroups and the loader
     assert "setmaxnreg.dec.sync.aligned.u32" in ptx
-    # spill stores with Triton 3.7.1: qk1 0 B (BF16), 8 B (FP8); k-split dense 0 B (BF16), 12-16 B (FP8), sparse
-    # 176-260 B
-    assert _spill_bytes(report) <= (384 if sparse and not division else 64), report
+    # spill stores with Triton 3.7.1: 0 B (BF16), 8 B (FP8)
+    assert _spill_bytes(report) <= 64, report
 
 
 @pytest.mark.parametrize("rows,mode,mmas", [
@@ -340,7 +331,7 @@ def test_fp8_slots_are_fenced_by_their_loader_and_16bit_ones_by_the_mma_warps(kv
     fenced, _, _ = hopper_compile(**kw, CONSUMER_FENCE=True)
     default, _, _ = hopper_compile(**kw)
     assert HOPPER_CONSUMER_FENCE is False
-    # (the k-split launch's qk1 division: both MMA warpgroups wait for the full slot, each would fence it)
+    # (the 4-warp launch: both MMA warpgroups wait for the full slot, each would fence it)
     assert fences(default) == fences(fenced) - (kv == "fp8") * (2 if ksplit else 1)
 
 
@@ -370,7 +361,7 @@ def test_the_ksplit_fp8_form_prefetches_into_l2_where_measured(sparse, prefetch)
 
 
 @pytest.mark.parametrize("heads,q_len,batch,kv_fp8,sparse,ksplit", [
-    # the k-split launch with its qk1 division (call 172, H100, uniform lengths, over the wide form):
+    # the 4-warp launch (qk1 division; call 172, H100, uniform lengths, over the wide form):
     (128, 1, 4, False, False, True),    # BF16 128 heads from batch 4: 0.90
     (128, 1, 128, False, False, True),  # ... 0.99 at batch 128 kv 16k (0.96 at batch 64 kv 4k)
     (128, 1, 1, False, False, False),   # ... not at batch 1 (1.03)
