@@ -39,6 +39,8 @@ DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
 SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (128, 16384)], [(128, 32768)]),
               "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)]),
+              "small": ([(1, 4096), (1, 16384), (4, 4096), (4, 16384), (16, 4096)],
+                        [(1, 32768), (4, 32768), (16, 32768)]),
               # short requests, where `launch.HOPPER_MIN_ITEMS` / `HOPPER_SHORT_BATCH` keep the tl tiles
               "short": ([(1, 1024), (4, 1024), (16, 1024), (32, 1024), (16, 1536)], [])}
 
@@ -64,7 +66,8 @@ def candidate(spec: str):
     ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
     '@' and a measurement mode of hopper.py for its runs alone ('fp8:dflt@decoupled') -> (KV kind it is
     timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with
-    min_split_tokens 256], the 4-warp launch `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up), the tile `launch` dispatches on this GPU with the switches
+    min_split_tokens 256], the 4-warp launch `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up; 'ksm64': with min_split_tokens
+    64), the tile `launch` dispatches on this GPU with the switches
     (`SWITCHES`), or the narrow form for 16 and 32 rows (None above) as `launch` dispatches it ('narrow'), with
     one staged FP8 loader ('narrow1') or two ('narrow2', one half tile each)."""
     kind, _, rest = spec.partition(":")
@@ -79,6 +82,9 @@ def candidate(spec: str):
     tile = HOPPER_TILE
     if rest.startswith("ks") and rest[2:] in ("", *SWITCHES):  # the k-split wide form ('ks' + a key of `SWITCHES`)
         return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, SWITCHES[rest[2:] or "dflt"]
+    if rest.startswith("ksm"):  # the 4-warp launch with another minimum split ('ksm64')
+        ks_tile = HOPPER_KSPLIT_TILE._replace(min_split_tokens=int(rest[3:]))
+        return kind, lambda bucket: ks_tile if bucket >= 64 else None, {}
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
     return kind, lambda bucket: tile, {}

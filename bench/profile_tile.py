@@ -6,6 +6,8 @@ print the CUDA time of each kernel it launches (stage 1, the split combine) from
     python3 bench/profile_tile.py --heads 64 --batch 64 --kv-len 32768 --topk 2048 --kernel-times
     python3 bench/profile_tile.py --kv-dtype fp8_e4m3 --switches qk --kernel-times   (hopper_dev.py's SWITCHES)
     python3 bench/profile_tile.py --kv-dtype fp8_e4m3 --heads 32 --debug mma_only   (hopper.py's measurement modes)
+    python3 bench/profile_tile.py --heads 128 --batch 4 --kv-len 32768 --topk 2048 --kernel-times --fa3
+        (FlashInfer FA3's kernels too, on the same inputs)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
                     help="run the Hopper kernel in a measurement mode of hopper.py (its outputs mean nothing)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="print each kernel's mean CUDA time over --runs runs (PyTorch profiler, warm L2)")
+    ap.add_argument("--fa3", action="store_true", help="with --kernel-times: FlashInfer FA3's kernels too")
     args = ap.parse_args()
     problem = Problem(args.heads, args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=1, ragged=False)
@@ -52,6 +55,12 @@ def main() -> None:
         print("params", prepared.params.label())
         if args.kernel_times:
             print_kernel_times(lambda: prepared.run(inputs), args.runs)
+    if args.kernel_times and args.fa3:
+        from mla_tune.backends.flashinfer_mla import FlashInferFA3, FlashInferFA3Sparse
+
+        fa3 = (FlashInferFA3Sparse if args.topk else FlashInferFA3)().prepare(problem, inputs)
+        print("FlashInfer FA3")
+        print_kernel_times(lambda: fa3.run(inputs), args.runs)
 
 
 def print_kernel_times(run, runs: int) -> None:
