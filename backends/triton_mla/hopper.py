@@ -72,11 +72,9 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # 7 = (token-split wide and narrow forms) decoupled: both sides run in full, but neither waits for the other's barriers
 # (wrong results; the time with the two sharing the SM but not waiting on each other); (narrow FP8 form only) decoupled
 # with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
-# and fp16 stores (of whatever the staging ring holds); (4-warp launch only) 10 = its warpgroup 0 as rounds 48-49
-# ran it (the running sum updated before the hand-over, the causal comparison at one query token too; correct
-# results). 0 in production.
+# and fp16 stores (of whatever the staging ring holds). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
-               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_early_sum": 10}
+               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9}
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
@@ -584,14 +582,11 @@ def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
               visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SPARSE: gl.constexpr, Q_LEN: gl.constexpr, DEBUG: gl.constexpr):
+              STAGES: gl.constexpr, SPARSE: gl.constexpr):
     """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
     online softmax, hands p (over the slot's rope columns, whose last reader was that score MMA) and the rescale
     factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group,
-    not waited for). Returns (the output accumulator, running max, running sum).
-
-    Only what warpgroup 1 waits for comes before the hand-over: the running sum is updated after `p @ v` is issued,
-    and with one query token the causal comparison is left out (`ok` already keeps positions inside the request)."""
+    not waited for). Returns (the output accumulator, running max, running sum)."""
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -600,24 +595,19 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, gl.SliceLayout(0, s_layout), BLOCK_N,
                               SPARSE)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    if Q_LEN == 1 and DEBUG != 10:
-        scores = gl.where(ok[None, :], scores * qk_scale, float("-inf"))
-    else:
-        scores = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), scores * qk_scale, float("-inf"))
+    visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+    scores = gl.where(visible, scores * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(scores - m_safe[:, None]).to(kl.dtype)
-    if DEBUG == 10:
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+    l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
     alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(p_bars.index(slot))
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
-    if DEBUG != 10:
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     return acc, m_new, l_i
 
 
@@ -662,8 +652,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
             acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s), acc, m_i, l_i, t,
                                       k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
-                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, Q_LEN,
-                                      DEBUG)
+                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
         l_smem.store(l_i)
@@ -761,13 +750,12 @@ def _mla_hopper_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10 in the 4-warp launch; in modes 4-6 the loaders copy
-    # nothing (as in mode 2).
+    # narrow form, 8-9 in the narrow FP8 form (its staged loader); in modes 4-6 the loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
     gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
-                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7) or (KSPLIT and DEBUG == 10),
+                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
-    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG == 10 else DEBUG
+    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
