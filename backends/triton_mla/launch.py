@@ -351,6 +351,9 @@ COMBINE_SPLITS_AT_ONCE = 8
 # start, and it waits for stage 1's partials with `griddepcontrol.wait`), so that its launch overlaps stage 1 rather
 # than following it (round 51).
 COMBINE_PDL = True
+# Measurement only (bench/hopper_dev.py): whether stage 1 also issues `griddepcontrol.launch_dependents` first thing
+# (True), so that the combine may be scheduled while stage 1 runs, or lets its exit trigger the combine (False).
+STAGE1_TRIGGER = True
 
 
 def combine_launched_early(*, splits: int, cc_major: int | None) -> bool:
@@ -617,7 +620,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
     pdl = combine_launched_early(splits=splits, cc_major=cc_major(q.device))
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
-                  KV_SCALE_IS_PTR=scale_is_ptr, LAUNCH_COMBINE_EARLY=pdl)
+                  KV_SCALE_IS_PTR=scale_is_ptr, LAUNCH_COMBINE_EARLY=pdl and STAGE1_TRIGGER)
     if params.warp_specialized:
         compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params)
     else:
