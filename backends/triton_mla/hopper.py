@@ -696,11 +696,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LAUNCH_COMBINE_EARLY: gl.constexpr = False,
 ):
-    if LAUNCH_COMBINE_EARLY:  # the combine, launched with programmatic dependent launch, may be scheduled now
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -220,10 +219,7 @@ def _mla_split_kernel(
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
     p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
-    LAUNCH_COMBINE_EARLY: tl.constexpr = False,
 ):
-    if LAUNCH_COMBINE_EARLY:  # the combine, launched with programmatic dependent launch, may be scheduled now
-        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -385,13 +381,9 @@ def _mla_combine_kernel(
     stride_lb, stride_lt, stride_lh,
     num_heads, num_splits,
     D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = 1,
-    WAIT_FOR_STAGE1: tl.constexpr = False,
 ):
     """One (query token, head) row: the softmax-weighted sum of its splits' partials, `SPLITS_AT_ONCE` splits'
-    partials loaded together (1: one split after the other). WAIT_FOR_STAGE1: launched with programmatic dependent
-    launch, so it waits here until stage 1 has finished and its partials are visible."""
-    if WAIT_FOR_STAGE1:
-        gdc_wait()
+    partials loaded together (1: one split after the other)."""
     row = tl.program_id(0)  # q_len * heads
     b = tl.program_id(1).to(tl.int64)
     qi = row // num_heads

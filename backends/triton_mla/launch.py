@@ -347,20 +347,6 @@ SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0
 # The combine loads this many splits' partials of a row together (1: one after the other, as before round 32).
 COMBINE_SPLITS_AT_ONCE = 8
 
-# Whether the combine is launched with programmatic dependent launch on SM90+ (stage 1 lets it be scheduled from its
-# start, and it waits for stage 1's partials with `griddepcontrol.wait`), so that its launch overlaps stage 1 rather
-# than following it (round 51).
-COMBINE_PDL = True
-# Measurement only (bench/hopper_dev.py): whether stage 1 also issues `griddepcontrol.launch_dependents` first thing
-# (True), so that the combine may be scheduled while stage 1 runs, or lets its exit trigger the combine (False).
-STAGE1_TRIGGER = True
-
-
-def combine_launched_early(*, splits: int, cc_major: int | None) -> bool:
-    """Whether a launch with `splits` splits runs its combine with programmatic dependent launch (`COMBINE_PDL`):
-    only with a combine (more than one split) and on SM90+ (None: the CPU interpreter)."""
-    return COMBINE_PDL and splits > 1 and cc_major is not None and cc_major >= 9
-
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
 # that the makespan model below otherwise ignores (0.02: measured in device call 6, see
@@ -618,9 +604,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
     grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
-    pdl = combine_launched_early(splits=splits, cc_major=cc_major(q.device))
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
-                  KV_SCALE_IS_PTR=scale_is_ptr, LAUNCH_COMBINE_EARLY=pdl and STAGE1_TRIGGER)
+                  KV_SCALE_IS_PTR=scale_is_ptr)
     if params.warp_specialized:
         compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params)
     else:
@@ -641,7 +626,6 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             num_heads, splits,
             D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
             SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), num_warps=4,
-            WAIT_FOR_STAGE1=pdl, **({"launch_pdl": True} if pdl else {}),
         )
     return compiled
 

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla_tune.backends.triton_mla.kernel import _mla_combine_kernel, _mla_split_kernel
+from mla_tune.backends.triton_mla.kernel import _mla_split_kernel
 
 _POINTERS = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "topk_ptr": "*i32",
              "kv_scale_ptr": "*fp32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
@@ -55,16 +55,6 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     return compiled.asm["ptx"]
-
-
-def combine_ptx(*, splits: int = 4, arch: int = 90, **flags) -> str:
-    """PTX for sm_`arch` of `_mla_combine_kernel` merging `splits` splits, with these constexprs."""
-    const = _constexpr_defaults(_mla_combine_kernel)
-    const.update(D_LATENT=512, BLOCK_S=triton.next_power_of_2(splits), SPLITS_AT_ONCE=min(splits, 8), **flags)
-    pointers = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
-    signature, attrs = _signature(_mla_combine_kernel, const, pointers, divisible_strides=lambda n: True)
-    source = ASTSource(_mla_combine_kernel, signature, constexprs=const, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4}).asm["ptx"]
 
 
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,

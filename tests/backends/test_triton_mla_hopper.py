@@ -528,29 +528,3 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
-
-
-def test_the_combine_is_launched_early_only_after_a_split_launch_on_sm90(monkeypatch):
-    from mla_tune.backends.triton_mla import launch
-
-    assert launch.combine_launched_early(splits=4, cc_major=9)
-    assert not launch.combine_launched_early(splits=1, cc_major=9)  # no combine
-    assert not launch.combine_launched_early(splits=4, cc_major=8)  # no programmatic dependent launch before SM90
-    assert not launch.combine_launched_early(splits=4, cc_major=None)  # the CPU interpreter
-    monkeypatch.setattr(launch, "COMBINE_PDL", False)
-    assert not launch.combine_launched_early(splits=4, cc_major=9)
-
-
-@pytest.mark.parametrize("stage1", ["hopper", "tl"])
-def test_stage1_lets_the_combine_launch_and_the_combine_waits_for_stage1(stage1):
-    from offline_compile import combine_ptx, hopper_compile, kernel_ptx
-
-    def stage1_ptx(early):
-        if stage1 == "hopper":
-            return hopper_compile(kv="bf16", sparse=True, page_size=1, ksplit=True, LAUNCH_COMBINE_EARLY=early)[0]
-        return kernel_ptx(block_h=16, block_n=32, num_warps=4, num_stages=2, fp8=False, LAUNCH_COMBINE_EARLY=early)
-
-    assert stage1_ptx(True).count("griddepcontrol.launch_dependents") == 1
-    assert "griddepcontrol" not in stage1_ptx(False)
-    assert combine_ptx(WAIT_FOR_STAGE1=True).count("griddepcontrol.wait") == 1
-    assert "griddepcontrol" not in combine_ptx(WAIT_FOR_STAGE1=False)
