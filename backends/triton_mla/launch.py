@@ -259,9 +259,10 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 64-128, FP8 dense 128 heads 1.03 at batch 4, 0.90-0.97 from 16, FP8 dense 64 heads 1.02 at batch 4-16, 0.95-1.00 at
 # 64-128. So FP8 dense 128 heads from batch 16 and 64 heads from 64, BF16 as measured uniform. Sparse BF16 128 heads
 # with the query loaded by warpgroup 0 (`QUERY_BEFORE_PARTITIONS`; qk1-query-h100-call178.txt): 0.98 / 0.96 / 0.89 /
-# 0.87 of the wide form's time at batch 4 / 16 / 64 / 128, so from batch 4.
+# 0.87 of the wide form's time at batch 4 / 16 / 64 / 128, and at batch 1 0.983 on an H100 and 0.986 on an H200
+# (sparse-small-splits-{h100-call183,h200-call181}.txt), so from batch 1.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 4), ("fp8", 64): (64, None), ("fp8", 128): (16, None)}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 1), ("fp8", 64): (64, None), ("fp8", 128): (16, None)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
