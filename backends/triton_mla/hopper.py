@@ -72,9 +72,15 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # 7 = (token-split wide and narrow forms) decoupled: both sides run in full, but neither waits for the other's barriers
 # (wrong results; the time with the two sharing the SM but not waiting on each other); (narrow FP8 form only) decoupled
 # with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
-# and fp16 stores (of whatever the staging ring holds). 0 in production.
+# and fp16 stores (of whatever the staging ring holds); (4-warp launch only) 10 = every tile moves the running max and
+# rescales the output (as before round 52; correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
-               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9}
+               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10}
+# The 4-warp launch's lazy rescale (round 52): a row's reference max moves only when the tile's max exceeds it by more
+# than this many log2 units, so p stays below 2^LAZY_MAX_LOG2 (exact either way: the sums use the same reference), and
+# warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: a
+# branch there spills 56-336 B offline, its 256 registers being full).
+LAZY_MAX_LOG2 = gl.constexpr(8.0)
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
 # `launch.HOPPER_STAGED_LOADERS`. None in production.
@@ -582,7 +588,7 @@ def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
               visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SPARSE: gl.constexpr):
+              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr):
     """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
     online softmax, hands p (over the slot's rope columns, whose last reader was that score MMA) and the rescale
     factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group,
@@ -598,8 +604,14 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
     scores = gl.where(visible, scores * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    alpha = gl.exp2(m_i - m_safe)
+    if DEBUG == 10:
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+    else:  # lazy: keep the old reference unless the row's max grew by more than LAZY_MAX_LOG2
+        m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # 1 where the reference stays, and where nothing was visible before (its output and sum are still 0)
+        alpha = gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
     p = gl.exp2(scores - m_safe[:, None]).to(kl.dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
@@ -652,7 +664,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
             acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s), acc, m_i, l_i, t,
                                       k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
-                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE)
+                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, DEBUG)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
         l_smem.store(l_i)
@@ -667,7 +679,11 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
             mbarrier.wait(p_bars.index(slot), phase)
             kl = k_lat.index(slot)
-            acc = acc * alpha_smem.index(slot).load(rows_o)[:, None]
+            alpha = alpha_smem.index(slot).load(rows_o)
+            if DEBUG == 10:
+                acc = acc * alpha[:, None]
+            elif gl.min(alpha, 0) < 1.0:  # some row's reference moved (round 52)
+                acc = acc * alpha[:, None]
             acc = warpgroup_mma(k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout),
                                 kl.slice(256, 256, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -750,12 +766,13 @@ def _mla_hopper_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form, 8-9 in the narrow FP8 form (its staged loader); in modes 4-6 the loaders copy nothing (as in mode 2).
+    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10 in the 4-warp launch; in modes 4-6 the loaders copy
+    # nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
     gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
-                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7),
+                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7) or (KSPLIT and DEBUG == 10),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
-    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else DEBUG
+    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG == 10 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
