@@ -150,7 +150,8 @@ def test_decoupled_loader_parts_run_only_their_part(mode, copies, casts):
 
 @pytest.mark.parametrize("rows,ksplit,mode", [(64, False, "mma_pv"), (64, True, "mma_no_pv"),
                                               (32, False, "no_reductions"), (64, True, "decoupled"),
-                                              (64, False, "decoupled_copies")])
+                                              (64, False, "decoupled_copies"), (64, False, "qk1_eager_rescale"),
+                                              (32, False, "qk1_eager_rescale")])
 def test_a_form_refuses_a_measurement_mode_it_does_not_have(rows, ksplit, mode):
     from offline_compile import hopper_compile
     from triton.compiler.errors import CompilationError
@@ -159,6 +160,24 @@ def test_a_form_refuses_a_measurement_mode_it_does_not_have(rows, ksplit, mode):
 
     with pytest.raises(CompilationError, match="no such measurement mode"):
         hopper_compile(kv="fp8", rows=rows, ksplit=ksplit, DEBUG=DEBUG_MODES[mode])
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_the_ksplit_form_skips_its_second_warpgroups_rescale_where_no_reference_moved(kv):
+    # round 52: mode 10 (the eager rescale) multiplies both 64 x 256 accumulators every tile; the default branches
+    # around the second warpgroup's 128 multiplies a thread, and only there (the first warpgroup's branch spilled)
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    def multiplies(ptx):
+        return len(re.findall(r"^\s*mul\.f32", ptx, flags=re.M))
+
+    lazy, _, report = hopper_compile(kv=kv, ksplit=True)
+    eager, _, _ = hopper_compile(kv=kv, ksplit=True, DEBUG=DEBUG_MODES["qk1_eager_rescale"])
+    assert multiplies(lazy) == multiplies(eager)  # the same multiplies, one group of them behind a branch
+    assert lazy.count("bra") > eager.count("bra")
+    assert _spill_bytes(report) <= 16, report
 
 
 @pytest.mark.parametrize("rows,ksplit", [(64, False), (32, False), (64, True)])
