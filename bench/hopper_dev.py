@@ -79,15 +79,13 @@ def candidate(spec: str):
         return kind, lambda bucket: DISPATCHED, SWITCHES[rest]
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
-    tile = HOPPER_TILE
-    if rest.startswith("ks") and rest[2:] in ("", *SWITCHES):  # the k-split wide form ('ks' + a key of `SWITCHES`)
+    ks = rest.startswith("ks")  # the 4-warp launch ('ks' [+ a key of `SWITCHES`] [or + 'm' and a minimum split])
+    if ks and rest[2:] in ("", *SWITCHES):
         return kind, lambda bucket: HOPPER_KSPLIT_TILE if bucket >= 64 else None, SWITCHES[rest[2:] or "dflt"]
-    if rest.startswith("ksm"):  # the 4-warp launch with another minimum split ('ksm64')
-        ks_tile = HOPPER_KSPLIT_TILE._replace(min_split_tokens=int(rest[3:]))
-        return kind, lambda bucket: ks_tile if bucket >= 64 else None, {}
+    tile, rest = (HOPPER_KSPLIT_TILE, rest[2:]) if ks else (HOPPER_TILE, rest)
     if rest.startswith("m"):
         tile = tile._replace(min_split_tokens=int(rest[1:]))
-    return kind, lambda bucket: tile, {}
+    return kind, lambda bucket: tile if bucket >= 64 or not ks else None, {}
 
 
 @contextlib.contextmanager

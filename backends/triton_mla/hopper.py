@@ -78,8 +78,8 @@ DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv":
                "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10}
 # The 4-warp launch's lazy rescale (round 52): a row's reference max moves only when the tile's max exceeds it by more
 # than this many log2 units, so p stays below 2^LAZY_MAX_LOG2 (exact either way: the sums use the same reference), and
-# warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: a
-# branch there spills 56-336 B offline, its 256 registers being full).
+# warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: the
+# same branch there spilled 56-336 B in offline sm_90a compiles with Triton 3.7.1).
 LAZY_MAX_LOG2 = gl.constexpr(8.0)
 DEBUG_MODE = 0
 # Measurement only (bench/hopper_dev.py): the narrow form's FP8 loaders, 1 or 2, instead of
@@ -604,14 +604,11 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
     scores = gl.where(visible, scores * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, 1))
-    if DEBUG == 10:
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-    else:  # lazy: keep the old reference unless the row's max grew by more than LAZY_MAX_LOG2
+    if DEBUG != 10:  # lazy: keep the old reference unless the row's max grew by more than LAZY_MAX_LOG2
         m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        # 1 where the reference stays, and where nothing was visible before (its output and sum are still 0)
-        alpha = gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    # lazy: 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
+    alpha = gl.exp2(m_i - m_safe) if DEBUG == 10 else gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
     p = gl.exp2(scores - m_safe[:, None]).to(kl.dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)

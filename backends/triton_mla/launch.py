@@ -263,7 +263,8 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # (sparse-small-splits-{h100-call183,h200-call181}.txt), so from batch 1. With round 52's lazy rescale (same process
 # over the dispatched form, H100, qk1-lazy-dispatch-{uniform,ragged}-h100-call191.txt): FP8 dense 64 heads batch 1-16
 # 0.972-0.979 uniform, 0.989-1.002 ragged, so from batch 1 there; FP8 128 heads batch 4 still 0.89 uniform but 1.015
-# ragged, BF16 128 heads batch 1 1.02-1.03, BF16 64 heads 0.995-1.03 uniform (0.97-0.99 ragged): unchanged.
+# ragged, BF16 128 heads batch 1 1.02-1.03, BF16 64 heads 0.995-1.03 uniform (ragged 0.97-0.99 from batch 4, 1.05 at
+# 1): unchanged.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 1), ("fp8", 64): (1, None), ("fp8", 128): (16, None)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
