@@ -49,8 +49,7 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
 NARROW = {"narrow": {}, "narrow1": {"STAGED_LOADERS": 1}, "narrow2": {"STAGED_LOADERS": 2}}
 # Candidates of the dispatched tile (`default_params` on this GPU) with measurement switches of hopper.py or launch.py.
 SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_EVICT_LAST": False},
-            "cmb1": {"COMBINE_SPLITS_AT_ONCE": 1}, "cmb8": {"COMBINE_SPLITS_AT_ONCE": 8},
-            "cmbt0": {"COMBINE_ONE_TRIP": False}, "cmbt1": {"COMBINE_ONE_TRIP": True},
+            **{f"cmb{n}": {"COMBINE_SPLITS_AT_ONCE": n} for n in (1, 8, 16, 32, 64)},
             "qk": {"QUERY_IN_CONSUMER": False}, "qc": {"QUERY_IN_CONSUMER": True},
             "pf0": {"L2_PREFETCH": False}, "pf1": {"L2_PREFETCH": True},
             "pf1qc": {"L2_PREFETCH": True, "QUERY_IN_CONSUMER": True},

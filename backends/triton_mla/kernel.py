@@ -381,56 +381,32 @@ def _mla_combine_kernel(
     stride_lb, stride_lt, stride_lh,
     num_heads, num_splits,
     D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = 1,
-    ONE_TRIP: tl.constexpr = True,
 ):
     """One (query token, head) row: the softmax-weighted sum of its splits' partials, `SPLITS_AT_ONCE` splits'
-    partials loaded together (1: one split after the other).
-
-    ONE_TRIP (the default since round 53): a running max over the groups of splits, so each group's LSEs and partials
-    are loaded together (one memory round trip a group; an unwritten partial is read and then zeroed). Off: the LSEs
-    first, then each group's partials masked by them (two round trips; measurement switch `launch.COMBINE_ONE_TRIP`)."""
+    partials loaded together (1: one split after the other)."""
     row = tl.program_id(0)  # q_len * heads
     b = tl.program_id(1).to(tl.int64)
     qi = row // num_heads
     h = row % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
     lse_base = lse_part_ptr + b * stride_qb + qi * stride_qt + h * stride_qh
+    lse_s = tl.load(lse_base + offs_s * stride_qs, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_s - m_safe), 0)
+    inv_total = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
+
     offs_c = tl.arange(0, D_LATENT)
     o_base = o_part_ptr + b * stride_pb + qi * stride_pt + h * stride_ph
     acc = tl.zeros([D_LATENT], dtype=tl.float32)
-    if ONE_TRIP:
-        m = tl.full([], float("-inf"), tl.float32)
-        total = tl.full([], 0.0, tl.float32)
-        for s0 in range(0, num_splits, SPLITS_AT_ONCE):
-            offs = s0 + tl.arange(0, SPLITS_AT_ONCE)
-            in_range = offs < num_splits
-            lse_some = tl.load(lse_base + offs * stride_qs, mask=in_range, other=float("-inf"))
-            part = tl.load(o_base + offs[:, None] * stride_ps + offs_c[None, :], mask=in_range[:, None], other=0.0)
-            # empty splits (lse -inf) never wrote their partial: what was read there is not used
-            part = tl.where((lse_some > float("-inf"))[:, None], part, 0.0)
-            m_new = tl.maximum(m, tl.max(lse_some, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            rescale = tl.exp(m - m_safe)
-            weight = tl.exp(lse_some - m_safe)
-            acc = acc * rescale + tl.sum(weight[:, None] * part, 0)
-            total = total * rescale + tl.sum(weight, 0)
-            m = m_new
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        acc = acc * tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
-    else:
-        offs_s = tl.arange(0, BLOCK_S)
-        lse_s = tl.load(lse_base + offs_s * stride_qs, mask=offs_s < num_splits, other=float("-inf"))
-        m = tl.max(lse_s, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.sum(tl.exp(lse_s - m_safe), 0)
-        inv_total = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
-        for s0 in range(0, num_splits, SPLITS_AT_ONCE):
-            offs = s0 + tl.arange(0, SPLITS_AT_ONCE)
-            lse_some = tl.load(lse_base + offs * stride_qs, mask=offs < num_splits, other=float("-inf"))
-            weight = tl.exp(lse_some - m_safe) * inv_total
-            # empty splits (lse -inf) never wrote their partial: do not read it
-            written = lse_some > float("-inf")
-            part = tl.load(o_base + offs[:, None] * stride_ps + offs_c[None, :], mask=written[:, None], other=0.0)
-            acc += tl.sum(weight[:, None] * part, 0)
+    for s0 in range(0, num_splits, SPLITS_AT_ONCE):
+        offs = s0 + tl.arange(0, SPLITS_AT_ONCE)
+        lse_some = tl.load(lse_base + offs * stride_qs, mask=offs < num_splits, other=float("-inf"))
+        weight = tl.exp(lse_some - m_safe) * inv_total
+        # empty splits (lse -inf) never wrote their partial: do not read it
+        written = lse_some > float("-inf")
+        part = tl.load(o_base + offs[:, None] * stride_ps + offs_c[None, :], mask=written[:, None], other=0.0)
+        acc += tl.sum(weight[:, None] * part, 0)
     tl.store(out_ptr + b * stride_ob + qi * stride_ot + h * stride_oh + offs_c, acc)
     lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(lse_ptr + b * stride_lb + qi * stride_lt + h * stride_lh, lse)

@@ -351,9 +351,6 @@ SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0
 
 # The combine loads this many splits' partials of a row together (1: one after the other, as before round 32).
 COMBINE_SPLITS_AT_ONCE = 8
-# The combine loads a group's LSEs and partials together (kernel._mla_combine_kernel's ONE_TRIP; round 53). False: the
-# LSEs first, then the partials they say were written (measurement switch, hopper_dev.py candidates 'cmbt0' / 'cmbt1').
-COMBINE_ONE_TRIP = True
 
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
@@ -633,8 +630,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             lse.stride(0), lse.stride(1), lse.stride(2),
             num_heads, splits,
             D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
-            SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), ONE_TRIP=COMBINE_ONE_TRIP,
-            num_warps=4,
+            SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), num_warps=4,
         )
     return compiled
 
