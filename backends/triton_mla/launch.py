@@ -349,8 +349,11 @@ SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 64, True
 SPARSE_SMALL_BATCH_TILES = {("fp8", 32): (4, (16, 32, 4, 2, True, 2, True, 64, 0, True)),
                             ("16bit", 32): (16, (16, 32, 4, 3, True, 2, False, 128))}
 
-# The combine loads this many splits' partials of a row together (1: one after the other, as before round 32).
-COMBINE_SPLITS_AT_ONCE = 8
+# The combine loads this many splits' partials of a row together (1: one after the other, as before round 32; 8 from
+# round 32 to 53). Same-process A/B on one H100 (bench/results/combine-at-once-*-h100-call197.txt), 32 over 8: 0.981
+# (dense, 25 shapes) and 0.984 (sparse, 10) in geometric mean where a row has 16-64 splits, 0.957-1.004 per shape;
+# with 8 or fewer splits the program is the same (0.996-1.003: the noise of that A/B).
+COMBINE_SPLITS_AT_ONCE = 32
 
 # Modelled cost of one split partial, in KV tokens of one program's time per packed query row:
 # writing `rows x 512` fp32 values and reading them back in the combine is memory traffic
