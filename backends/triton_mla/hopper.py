@@ -73,9 +73,12 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # (wrong results; the time with the two sharing the SM but not waiting on each other); (narrow FP8 form only) decoupled
 # with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
 # and fp16 stores (of whatever the staging ring holds); (4-warp launch only) 10 = every tile moves the running max and
-# rescales the output (as before round 52; correct results). 0 in production.
+# rescales the output (as before round 52; correct results), 11 = one query token's scores masked after they land, by
+# row and column (as before round 55; correct results), 12 = warpgroup 0 rounds p to bf16 one value at a time (as
+# before round 56; correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
-               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10}
+               "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10,
+               "qk1_row_mask": 11, "qk1_scalar_cast": 12}
 # The 4-warp launch's lazy rescale (round 52): a row's reference max moves only when the tile's max exceeds it by more
 # than this many log2 units, so p stays below 2^LAZY_MAX_LOG2 (exact either way: the sums use the same reference), and
 # warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: the
@@ -586,9 +589,20 @@ def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
 
 
 @gluon.jit
+def _round_pairs(x, dtype: gl.constexpr):
+    """fp32 `x` rounded to `dtype`; bf16 two values an instruction (`cvt.rn.bf16x2.f32`, round 56): from the scalar cast
+    ptxas makes one `F2F.BF16.F32` a value (fp16 casts it packs into `F2FP.F16.F32.PACK_AB` by itself)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return x.to(dtype)
+
+
+@gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
               visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr):
+              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr, Q_LEN: gl.constexpr):
     """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
     online softmax, hands p (over the slot's rope columns, whose last reader was that score MMA) and the rescale
     factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group,
@@ -600,16 +614,25 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     kl = k_lat.index(slot)
     pos, ok = _tile_positions(start + t * BLOCK_N, end, seq_len, topk_row, gl.SliceLayout(0, s_layout), BLOCK_N,
                               SPARSE)
+    # One query token (round 55): it sees the whole request, which `ok` already checks (dense: end <= seq_len; sparse:
+    # pos < seq_len), so its mask is a column bias, computed while the score MMAs run: one FMA an element after them.
+    COLUMN_BIAS: gl.constexpr = Q_LEN == 1 and DEBUG != 11
+    if COLUMN_BIAS:
+        bias = gl.where(ok, 0.0, float("-inf"))
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-    scores = gl.where(visible, scores * qk_scale, float("-inf"))
+    if COLUMN_BIAS:
+        scores = scores * qk_scale + bias[None, :]
+    else:
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+        scores = gl.where(visible, scores * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, 1))
     if DEBUG != 10:  # lazy: keep the old reference unless the row's max grew by more than LAZY_MAX_LOG2
         m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     # lazy: 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
     alpha = gl.exp2(m_i - m_safe) if DEBUG == 10 else gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
-    p = gl.exp2(scores - m_safe[:, None]).to(kl.dtype)
+    p = gl.exp2(scores - m_safe[:, None])
+    p = p.to(kl.dtype) if DEBUG == 12 else _round_pairs(p, kl.dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
     alpha_smem.index(slot).store(alpha)
@@ -661,7 +684,8 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
             acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s), acc, m_i, l_i, t,
                                       k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
-                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, DEBUG)
+                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, DEBUG,
+                                      Q_LEN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
         l_smem.store(l_i)
@@ -763,13 +787,14 @@ def _mla_hopper_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10 in the 4-warp launch; in modes 4-6 the loaders copy
-    # nothing (as in mode 2).
+    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-12 in the 4-warp launch; in modes 4-6 the loaders
+    # copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
     gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
-                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7) or (KSPLIT and DEBUG == 10),
+                     or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7)
+                     or (KSPLIT and DEBUG >= 10 and DEBUG <= 12),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
-    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG == 10 else DEBUG
+    LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG >= 10 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
