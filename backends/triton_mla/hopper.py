@@ -74,11 +74,11 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
 # and fp16 stores (of whatever the staging ring holds); (4-warp launch only) 10 = every tile moves the running max and
 # rescales the output (as before round 52; correct results), 11 = one query token's scores masked after they land, by
-# row and column (as before round 55; correct results), 12 = warpgroup 0 rounds p to bf16 one value at a time (as
-# before round 56; correct results). 0 in production.
+# row and column (as before round 55; correct results); (every form) 12 = p and the outputs rounded to bf16 one value
+# at a time (as before round 56; correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
                "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10,
-               "qk1_row_mask": 11, "qk1_scalar_cast": 12}
+               "qk1_row_mask": 11, "scalar_cast": 12}
 # The 4-warp launch's lazy rescale (round 52): a row's reference max moves only when the tile's max exceeds it by more
 # than this many log2 units, so p stays below 2^LAZY_MAX_LOG2 (exact either way: the sums use the same reference), and
 # warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: the
@@ -391,6 +391,18 @@ def _lse(m_i, l_i):
 
 
 @gluon.jit
+def _round_pairs(x, dtype: gl.constexpr, SCALAR: gl.constexpr = False):
+    """fp32 `x` rounded to `dtype`; bf16 two values an instruction (`cvt.rn.bf16x2.f32`, round 56): from the scalar cast
+    ptxas makes one `F2F.BF16.F32` a value (fp16 casts it packs into `F2FP.F16.F32.PACK_AB` by itself). `SCALAR`
+    (measurement mode 12): the scalar cast."""
+    if dtype == gl.bfloat16 and not SCALAR:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return x.to(dtype)
+
+
+@gluon.jit
 def _store_out(ptrs, values, mask, EVICT_LAST: gl.constexpr):
     """The epilogue's output store; `EVICT_LAST` (split partials): with an L2 evict-last hint, meant to keep them
     in L2 for the combine. Measured on an H100 (same-process A/Bs, bench/hopper_dev.py): 0.968 (BF16) / 0.975 (FP8)
@@ -407,7 +419,7 @@ def _store_out(ptrs, values, mask, EVICT_LAST: gl.constexpr):
 def _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
               stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout: gl.constexpr,
               rows_m: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr, EVICT_LAST: gl.constexpr,
-              COL0: gl.constexpr, N_COLS: gl.constexpr, WRITE_LSE: gl.constexpr):
+              COL0: gl.constexpr, N_COLS: gl.constexpr, WRITE_LSE: gl.constexpr, SCALAR_CAST: gl.constexpr = False):
     """The wide forms' epilogue (the program's rows on M): output columns `COL0 .. COL0 + N_COLS - 1` of `acc` (in
     `o_layout`) normalised by the row sums (the partial or final output) and, with `WRITE_LSE`, the LSE from the
     base-2 running max `m_i` (in `rows_m`); `l_i` in any row layout."""
@@ -416,8 +428,9 @@ def _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o
     cols_o = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, o_layout))
     o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi_o * stride_ot + h_o * stride_oh
     inv_l = _inv_sums(gl.convert_layout(l_i, rows_o), out_scale)
-    _store_out(o_row[:, None] + cols_o[None, :], (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty),
-               (ok_o & store_o)[:, None] & (cols_o[None, :] < 512), EVICT_LAST)
+    values = _round_pairs(acc * inv_l[:, None], o_ptr.dtype.element_ty, SCALAR_CAST)
+    _store_out(o_row[:, None] + cols_o[None, :], values, (ok_o & store_o)[:, None] & (cols_o[None, :] < 512),
+               EVICT_LAST)
     if WRITE_LSE:
         qi_l, h_l, ok_l = _rows(pid_m, num_heads, rows_m, Q_LEN, SPARSE)
         lse = _lse(m_i, gl.convert_layout(l_i, rows_m))
@@ -480,7 +493,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
             alpha = gl.exp2(m_i - m_safe)
             p = gl.exp2(s - m_safe[:, None])
             m_i = m_new
-            p_op = gl.convert_layout(p.to(kl.dtype), p_layout)
+            p_op = gl.convert_layout(_round_pairs(p, kl.dtype, DEBUG == 12), p_layout)
             alpha_o = gl.convert_layout(alpha, rows_o)
             if DEBUG != 3:
                 # Row sums from p in the `p @ v` operand layout, where each warpgroup holds whole rows: no exchange
@@ -496,7 +509,7 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, full_bars, empty_bars, o_ptr, l
 
     _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob, stride_os,
               stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN, SPARSE,
-              EVICT_LAST, 0, 512, True)
+              EVICT_LAST, 0, 512, True, DEBUG == 12)
 
 
 @gluon.jit
@@ -550,7 +563,7 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
                 m_new = gl.maximum(m_i, gl.max(s, 0))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
                 alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
+                p = _round_pairs(gl.exp2(s - m_safe[None, :]), kl.dtype, DEBUG == 12)
                 m_i = m_new
                 # The row sums of the rounded p that `o^T = v^T p^T` multiplies, kept per token and reduced over the
                 # tokens (across the four warps) once, after the loop, not per tile (round 21: 0.93-0.95 of the time
@@ -573,8 +586,8 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
     cols = gl.arange(0, 512, layout=toks_s)
     o_row = o_ptr + b.to(gl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
     inv_l = _inv_sums(l_i, out_scale)
-    _store_out(o_row[None, :] + cols[:, None], (acc * inv_l[None, :]).to(o_ptr.dtype.element_ty),
-               (ok & store_o)[None, :] & (cols[:, None] < 512), EVICT_LAST)
+    values = _round_pairs(acc * inv_l[None, :], o_ptr.dtype.element_ty, DEBUG == 12)
+    _store_out(o_row[None, :] + cols[:, None], values, (ok & store_o)[None, :] & (cols[:, None] < 512), EVICT_LAST)
     lse = _lse(m_i, l_i)
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + qi * stride_lt + h * stride_lh,
              lse, mask=ok)
@@ -586,17 +599,6 @@ def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
     two wgmma groups."""
     s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     return warpgroup_mma(q_lat, k_lat.index(slot).permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _round_pairs(x, dtype: gl.constexpr):
-    """fp32 `x` rounded to `dtype`; bf16 two values an instruction (`cvt.rn.bf16x2.f32`, round 56): from the scalar cast
-    ptxas makes one `F2F.BF16.F32` a value (fp16 casts it packs into `F2FP.F16.F32.PACK_AB` by itself)."""
-    if dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
-    else:
-        return x.to(dtype)
 
 
 @gluon.jit
@@ -632,7 +634,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     # lazy: 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
     alpha = gl.exp2(m_i - m_safe) if DEBUG == 10 else gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
     p = gl.exp2(scores - m_safe[:, None])
-    p = p.to(kl.dtype) if DEBUG == 12 else _round_pairs(p, kl.dtype)
+    p = _round_pairs(p, kl.dtype, DEBUG == 12)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
     alpha_smem.index(slot).store(alpha)
@@ -692,7 +694,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
         mbarrier.arrive(l_bar)
         _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
                   stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_s, Q_LEN,
-                  SPARSE, EVICT_LAST, 0, 256, True)
+                  SPARSE, EVICT_LAST, 0, 256, True, DEBUG == 12)
     else:
         if DEBUG == 1:
             _hand_back(full_bars, empty_bars, n_tiles, STAGES)
@@ -713,7 +715,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
         l_i = l_smem.load(rows_o)
         _epilogue(acc, l_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
                   stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt, stride_lh, o_layout, rows_o, Q_LEN,
-                  SPARSE, EVICT_LAST, 256, 256, False)
+                  SPARSE, EVICT_LAST, 256, 256, False, DEBUG == 12)
 
 
 @gluon.jit
@@ -786,13 +788,13 @@ def _mla_hopper_kernel(
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
-    # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-12 in the 4-warp launch; in modes 4-6 the loaders
-    # copy nothing (as in mode 2).
+    # Measurement modes by form (`DEBUG_MODES`): 1-2 and 12 in every form, 3-5 and 7 in the token-split wide form, 4-7
+    # in the narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-11 in the 4-warp launch; in modes 4-6 the
+    # loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
-    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
+    gl.static_assert(DEBUG <= 2 or DEBUG == 12 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
                      or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7)
-                     or (KSPLIT and DEBUG >= 10 and DEBUG <= 12),
+                     or (KSPLIT and DEBUG >= 10 and DEBUG <= 11),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
     LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG >= 10 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
