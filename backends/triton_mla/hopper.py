@@ -363,7 +363,7 @@ def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr, DE
     7-9: without the wait."""
     slot = t % STAGES
     phase = (t // STAGES) & 1
-    if DEBUG < 7:
+    if DEBUG < 7 or DEBUG > 9:
         mbarrier.wait(full_bars.index(slot), phase)
     if FENCE_SLOTS:
         fence_async_shared()
