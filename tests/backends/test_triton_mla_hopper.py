@@ -151,7 +151,8 @@ def test_decoupled_loader_parts_run_only_their_part(mode, copies, casts):
 @pytest.mark.parametrize("rows,ksplit,mode", [(64, False, "mma_pv"), (64, True, "mma_no_pv"),
                                               (32, False, "no_reductions"), (64, True, "decoupled"),
                                               (64, False, "decoupled_copies"), (64, False, "qk1_eager_rescale"),
-                                              (32, False, "qk1_eager_rescale")])
+                                              (32, False, "qk1_eager_rescale"), (64, False, "qk1_row_mask"),
+                                              (32, False, "scalar_cast")])
 def test_a_form_refuses_a_measurement_mode_it_does_not_have(rows, ksplit, mode):
     from offline_compile import hopper_compile
     from triton.compiler.errors import CompilationError
@@ -178,6 +179,39 @@ def test_the_ksplit_form_skips_its_second_warpgroups_rescale_where_no_reference_
     assert multiplies(lazy) == multiplies(eager)  # the same multiplies, one group of them behind a branch
     assert lazy.count("bra") > eager.count("bra")
     assert _spill_bytes(report) <= 16, report
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_the_ksplit_form_masks_one_query_tokens_scores_with_a_column_bias(q_len):
+    # round 55: one query token sees the whole request, so its mask is a column bias (0 or -inf) added to the scaled
+    # score by one FMA (32 a thread); with two (MTP) the mask by row and column stays, as in mode 11
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    def fmas(ptx):
+        return len(re.findall(r"fma\.rn\.f32", ptx))
+
+    bias, _, report = hopper_compile(kv="bf16", ksplit=True, sparse=True, q_len=q_len)
+    row_mask, _, _ = hopper_compile(kv="bf16", ksplit=True, sparse=True, q_len=q_len,
+                                    DEBUG=DEBUG_MODES["qk1_row_mask"])
+    assert fmas(bias) - fmas(row_mask) == (32 if q_len == 1 else 0)
+    assert _spill_bytes(report) == 0, report
+
+
+def test_the_ksplit_form_rounds_p_to_bf16_two_values_an_instruction():
+    # round 56: `cvt.rn.bf16x2.f32` (ptxas makes a scalar bf16 cast one F2F each); mode 12 is the scalar cast
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
+
+    def casts(ptx):
+        return len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)), len(re.findall(r"cvt\.rn\.bf16\.f32", ptx))
+
+    packed, _, _ = hopper_compile(kv="bf16", ksplit=True, sparse=True)
+    scalar, _, _ = hopper_compile(kv="bf16", ksplit=True, sparse=True, DEBUG=DEBUG_MODES["scalar_cast"])
+    assert casts(packed) == (16, 0)  # p: 64 x 64 over 128 threads, two a cast
+    assert casts(scalar) == (0, 32)
 
 
 @pytest.mark.parametrize("rows,ksplit", [(64, False), (32, False), (64, True)])
