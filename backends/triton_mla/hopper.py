@@ -74,8 +74,9 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
 # and fp16 stores (of whatever the staging ring holds); (4-warp launch only) 10 = every tile moves the running max and
 # rescales the output (as before round 52; correct results), 11 = one query token's scores masked after they land, by
-# row and column (as before round 55; correct results); (the wide forms) 12 = p and the outputs rounded to bf16 one
-# value at a time (as before round 56; correct results). 0 in production.
+# row and column (as before round 55; correct results); (the wide forms) 12 = p and the final outputs rounded by
+# Triton's own cast (as before round 56: one value an instruction but in the 8-warp form's p, which it packs too;
+# correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
                "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10,
                "qk1_row_mask": 11, "scalar_cast": 12}
