@@ -73,8 +73,8 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # (wrong results; the time with the two sharing the SM but not waiting on each other); (narrow FP8 form only) decoupled
 # with the staged loader doing only its part: 8 = its `cp.async` copies into the staging ring, 9 = its read-back, casts
 # and fp16 stores (of whatever the staging ring holds); (4-warp launch only) 10 = every tile moves the running max and
-# rescales the output (as before round 52; correct results); (4-warp launch and narrow form) 11 = one query token's
-# scores masked after they land, by row and token (as before rounds 55 and 57; correct results); (the wide forms) 12 = p and the final outputs rounded by
+# rescales the output (as before round 52; correct results), 11 = one query token's scores masked after they land, by
+# row and column (as before round 55; correct results); (the wide forms) 12 = p and the final outputs rounded by
 # Triton's own cast (as before round 56: one value an instruction but in the 8-warp form's p, which it packs too;
 # correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
@@ -555,20 +555,12 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
         else:
             s = warpgroup_mma(k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
-            # One query token (round 57, round 55's in this form): its mask is a bias a token, computed while the
-            # score MMAs run.
-            TOKEN_BIAS: gl.constexpr = Q_LEN == 1 and DEBUG != 11
-            if TOKEN_BIAS:
-                bias = gl.where(ok, 0.0, float("-inf"))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             if DEBUG == 5:  # the score MMAs alone (kept alive by a sum in registers, reduced once after the loop)
                 s_sum = s_sum + s
             else:
-                if TOKEN_BIAS:
-                    s = s * qk_scale + bias[:, None]
-                else:
-                    visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
-                    s = gl.where(visible, s * qk_scale, float("-inf"))
+                visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
+                s = gl.where(visible, s * qk_scale, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, 0))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
                 alpha = gl.exp2(m_i - m_safe)
@@ -799,10 +791,10 @@ def _mla_hopper_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-11 in the 4-warp launch, 11 in the narrow form, 12
-    # in both wide forms; in modes 4-6 the loaders copy nothing (as in mode 2).
+    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-11 in the 4-warp launch, 12 in both wide forms; in
+    # modes 4-6 the loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
-    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9) or DEBUG == 11))
+    gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
                      or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7)
                      or (KSPLIT and DEBUG >= 10 and DEBUG <= 11) or (not NARROW and DEBUG == 12),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")

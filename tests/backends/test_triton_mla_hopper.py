@@ -199,23 +199,6 @@ def test_the_ksplit_form_masks_one_query_tokens_scores_with_a_column_bias(q_len)
     assert _spill_bytes(report) == 0, report
 
 
-@pytest.mark.parametrize("rows,q_len", [(16, 1), (32, 1), (32, 2)])
-def test_the_narrow_form_masks_one_query_tokens_scores_with_a_token_bias(rows, q_len):
-    # round 57: round 55's bias in the narrow form, whose scores are transposed (tokens on M): one FMA a score (64 x
-    # rows over 128 threads) with one query token, the mask by token and row with two, as in mode 11
-    from offline_compile import hopper_compile
-
-    from mla_tune.backends.triton_mla.hopper import DEBUG_MODES
-
-    def fmas(ptx):
-        return len(re.findall(r"fma\.rn\.f32", ptx))
-
-    bias, _, report = hopper_compile(kv="fp8", rows=rows, sparse=True, q_len=q_len)
-    row_mask, _, _ = hopper_compile(kv="fp8", rows=rows, sparse=True, q_len=q_len, DEBUG=DEBUG_MODES["qk1_row_mask"])
-    assert fmas(bias) - fmas(row_mask) == (64 * rows // 128 if q_len == 1 else 0)
-    assert _spill_bytes(report) == 0, report
-
-
 def test_the_ksplit_form_rounds_p_to_bf16_two_values_an_instruction():
     # round 56: `cvt.rn.bf16x2.f32` (ptxas makes a scalar bf16 cast one F2F each); mode 12 is the scalar cast
     from offline_compile import hopper_compile
