@@ -267,6 +267,12 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 1): unchanged.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 1), ("fp8", 64): (1, None), ("fp8", 128): (16, None)}
+# Sparse requests on the 4-warp launch: (KV kind, rows bucket) -> (smallest batch, minimum split in tokens) replacing
+# its 128. Sparse BF16 128 heads, top-k 2048, same process, splits of at least 256 over 128 (sparse128-ksm256-h100-
+# call{206,207}.txt, H100): batch 4 0.946 / 0.944 of the time (8 splits instead of 16: longer programs, half the
+# partials), batch 1 1.24 / 1.25 (so not there), batch 16 the same launch (4 splits); on an H200 0.967 at batch 4
+# (sparse-small-splits-h200-call181.txt). From batch 8 the split model picks splits of 256 tokens or more by itself.
+HOPPER_KSPLIT_SPARSE_MIN_SPLIT = {("16bit", 128): (4, 256)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
 # narrow form's table below takes the case). From same-process A/Bs on one H100
@@ -450,6 +456,9 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
                             (HOPPER_KSPLIT_MIN_BATCH, HOPPER_KSPLIT_TILE), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
             if min_batch is not None and batch >= min_batch:
+                split_batch, split_tokens = HOPPER_KSPLIT_SPARSE_MIN_SPLIT.get((kind, bucket), (None, 0))
+                if sparse and tile == HOPPER_KSPLIT_TILE and split_batch is not None and batch >= split_batch:
+                    return tile._replace(min_split_tokens=split_tokens)
                 return tile
     return _table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
 

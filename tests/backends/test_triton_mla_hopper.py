@@ -441,6 +441,23 @@ def test_sm90_dispatch_of_the_ksplit_form(heads, q_len, batch, kv_fp8, sparse, k
     assert HOPPER_KSPLIT_TILE in tiles and HOPPER_TILE in tiles, tiles
 
 
+@pytest.mark.parametrize("batch,splits", [(1, 16), (2, 16), (4, 8), (8, 8), (16, 4), (64, 1)])
+def test_sparse_bf16_128_heads_takes_splits_of_256_tokens_from_batch_4(batch, splits, monkeypatch):
+    # `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`: at batch 4, 8 splits of 256 top-k slots (16 of 128 before: 0.946 / 0.944 of
+    # the time, device calls 206-207); batch 1 keeps 16 (1.24x slower with 8); from batch 8 the split model picks them
+    from mla_tune.backends.triton_mla import launch
+
+    kwargs = dict(num_heads=128, q_len=1, batch=batch, max_items=2048, kv_fp8=False, cc_major=9)
+    sparse = launch.default_params(**kwargs, sparse=True, num_sms=132, lengths=[2048] * batch)
+    dense = launch.default_params(**kwargs, num_sms=132, lengths=[2048] * batch)
+    assert sparse.num_warps == 4 and sparse.num_splits == splits, sparse
+    assert launch.HOPPER_KSPLIT_TILE in launch.candidate_tiles(**kwargs, sparse=True)  # the tuner still times 128
+    monkeypatch.setattr(launch, "HOPPER_KSPLIT_SPARSE_MIN_SPLIT", {})
+    before = launch.default_params(**kwargs, sparse=True, num_sms=132, lengths=[2048] * batch)
+    assert (before.num_splits == 16) == (batch <= 4) and (before == sparse) == (batch != 4), before
+    assert launch.default_params(**kwargs, num_sms=132, lengths=[2048] * batch) == dense  # dense: no change
+
+
 def test_warp_specialized_launch_needs_a_gpu():
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
