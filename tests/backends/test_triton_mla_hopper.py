@@ -578,6 +578,21 @@ def test_gpu_default_params_take_the_hopper_kernel_and_match_the_reference():
 
 @pytest.mark.gpu
 @hopper_only
+def test_gpu_sparse_128_heads_at_batch_4_takes_8_splits_and_matches_the_reference():
+    # `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`: the launch `mla_decode` picks with no params (8 splits of 4 tiles on 132 SMs)
+    from mla_tune.backends.triton_mla.launch import default_params
+
+    problem = _gpu_problem("bf16", num_heads=128, page_size=64, topk=2048)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    params = default_params(num_heads=128, q_len=1, batch=4, max_items=2048, num_sms=sms, sparse=True,
+                            lengths=[2048] * 4, cc_major=9)
+    assert params.num_warps == 4 and (params.num_splits == 8 or sms != 132), params
+    r = _run_case(problem, Shape(4, 2500), device="cuda", params=params)
+    assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol("bf16") and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
 def test_gpu_hopper_runs_inside_a_cuda_graph():
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.reference import mla_reference
