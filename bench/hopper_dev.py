@@ -33,7 +33,8 @@ from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # n
 from mla_tune.backends.triton_mla import hopper, launch  # noqa: E402
 from mla_tune.backends.triton_mla.hopper import DEBUG_MODES  # noqa: E402
 from mla_tune.backends.triton_mla.launch import (  # noqa: E402
-    HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_params, packed_rows, params_from_tile, rows_bucket)
+    HOPPER_KSPLIT_TILE, HOPPER_TILE, HOPPER_TILES, default_tile, packed_rows, params_for, params_from_tile,
+    rows_bucket)
 
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
@@ -62,7 +63,8 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 
 
 def candidate(spec: str):
-    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), a key of `SWITCHES`
+    """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), 'fp8:dm256' (the dispatched
+    tile with splits of at least 256 tokens), a key of `SWITCHES`
     ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
     '@' and a measurement mode of hopper.py for its runs alone ('fp8:dflt@decoupled') -> (KV kind it is
     timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with
@@ -77,6 +79,8 @@ def candidate(spec: str):
         return ckind, tile_for, {**switches, "DEBUG_MODE": DEBUG_MODES[mode]}
     if rest in SWITCHES:
         return kind, lambda bucket: DISPATCHED, SWITCHES[rest]
+    if rest.startswith("dm"):  # the dispatched tile with another minimum split ('fp8:dm256')
+        return kind, lambda bucket: f"{DISPATCHED}:{int(rest[2:])}", {}
     if rest in NARROW:
         return kind, lambda bucket: HOPPER_TILES.get(bucket) if bucket <= 32 else None, NARROW[rest]
     ks = rest.startswith("ks")  # the 4-warp launch ('ks' [+ a key of `SWITCHES`] [or + 'm' and a minimum split])
@@ -169,10 +173,12 @@ def main():
         rows = packed_rows(heads, args.q_len, sparse=bool(topk))
         roof = case.roofline_us(bw, mm)
         adapter_cls = TritonMLASparse if topk else TritonMLA
-        def dispatched(cc_major):
-            return default_params(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items,
-                                  num_sms=sms, sparse=bool(topk), kv_fp8=kind == "fp8", lengths=case.lengths,
-                                  cc_major=cc_major)
+        def dispatched(cc_major, min_split=None):
+            shape = dict(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items, sparse=bool(topk),
+                         kv_fp8=kind == "fp8", cc_major=cc_major)
+            tile = default_tile(**shape)
+            return params_for(tile if min_split is None else tile._replace(min_split_tokens=min_split), **shape,
+                              num_sms=sms, lengths=case.lengths)
 
         # the tl tiles as shipped before the Hopper kernel (cc_major None: no warp-specialised dispatch)
         base = check_and_time(case, adapter_cls(dispatched(None)))
@@ -183,6 +189,8 @@ def main():
                 continue
             if tile == DISPATCHED:
                 params = dispatched(torch.cuda.get_device_capability()[0])
+            elif isinstance(tile, str):  # the dispatched tile with another minimum split
+                params = dispatched(torch.cuda.get_device_capability()[0], int(tile.partition(":")[2]))
             else:
                 params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch,
                                           max_items=case.max_items, num_sms=sms, sparse=bool(topk),

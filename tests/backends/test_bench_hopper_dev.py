@@ -15,3 +15,9 @@ def test_a_candidate_takes_a_measurement_mode_after_an_at_sign():
     assert tile_for(128) == dev.HOPPER_KSPLIT_TILE and tile_for(32) is None
     assert switches == {"L2_PREFETCH": True, "DEBUG_MODE": dev.DEBUG_MODES["mma_only"]}
     assert dev.candidate("16bit:narrow@loader_only")[1](16) == dev.HOPPER_TILES[16]
+
+
+def test_a_dm_candidate_is_the_dispatched_tile_with_another_minimum_split():
+    dev = load("hopper_dev")
+    kind, tile_for, switches = dev.candidate("16bit:dm256")
+    assert kind == "16bit" and tile_for(16) == tile_for(128) == f"{dev.DISPATCHED}:256" and switches == {}
