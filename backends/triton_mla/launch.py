@@ -269,9 +269,10 @@ HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_speci
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 1), ("fp8", 64): (1, None), ("fp8", 128): (16, None)}
 # Sparse requests on the 4-warp launch: (KV kind, rows bucket) -> (smallest batch, minimum split in tokens) replacing
 # its 128. Sparse BF16 128 heads, top-k 2048, same process, splits of at least 256 over 128 (sparse128-ksm256-h100-
-# call{206,207}.txt, H100): batch 4 0.946 / 0.944 of the time (8 splits instead of 16: longer programs, half the
-# partials), batch 1 1.24 / 1.25 (so not there), batch 16 the same launch (4 splits); on an H200 0.967 at batch 4
-# (sparse-small-splits-h200-call181.txt). From batch 8 the split model picks splits of 256 tokens or more by itself.
+# call{206,207}.txt, H100): batch 4 0.946 / 0.944 of the time (8 splits instead of 16), batch 1 1.24 / 1.25 (so not
+# there), batch 16 the same launch (4 splits); on an H200 0.967 at batch 4 (sparse-small-splits-h200-call181.txt). From
+# batch 8 the split model picks splits of 256 tokens or more by itself. Elsewhere the same minimum split lost but at
+# dense 64 heads batch 4 kv 4k (0.93-0.95; split256-small-h100-call211.txt), where the tuner's refinement can find it.
 HOPPER_KSPLIT_SPARSE_MIN_SPLIT = {("16bit", 128): (4, 256)}
 # (KV kind, rows bucket) -> (smallest dense batch, smallest sparse batch) from which an SM90 GPU runs the
 # warp-specialised kernel's wide form (64 rows) instead of the tl tiles (None or no entry: never, unless the
@@ -440,9 +441,9 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                  kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
     """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form),
-    `HOPPER_KSPLIT_MIN_BATCH` (its k-split wide form) or `HOPPER_MIN_BATCH` (the wide form) says it wins, the first
-    that does (and the requests are not short, `short_requests`), otherwise the tile of `TILE_TABLE` for the head
-    rows (`SMALL_BATCH_TILES` for few requests).
+    `HOPPER_KSPLIT_MIN_BATCH` (its k-split wide form, sparse with `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`) or `HOPPER_MIN_BATCH`
+    (the wide form) says it wins, the first that does (and the requests are not short, `short_requests`), otherwise
+    the tile of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES` for few requests).
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
