@@ -42,6 +42,8 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
               "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)]),
               "small": ([(1, 4096), (1, 16384), (4, 4096), (4, 16384), (16, 4096)],
                         [(1, 32768), (4, 32768), (16, 32768)]),
+              # a few requests of 2-6k tokens, where the split model gives programs of two to four tiles
+              "few": ([(2, 4096), (3, 4096), (4, 2048), (4, 4096), (4, 6144), (6, 4096), (8, 3072)], []),
               # short requests, where `launch.HOPPER_MIN_ITEMS` / `HOPPER_SHORT_BATCH` keep the tl tiles
               "short": ([(1, 1024), (4, 1024), (16, 1024), (32, 1024), (16, 1536)], [])}
 
