@@ -32,6 +32,16 @@ CPU_CASES = {
     "bf16_h3_qlen2_splits": (dict(num_heads=3, page_size=16, q_len=2), (3, 70), None, (16, 16, 4, 1, 3), False),
     "bf16_h20_qlen2_two_mblocks": (dict(num_heads=20, page_size=16, q_len=2), (2, 40), None,
                                    (32, 16, 4, 1, 2, True), False),
+    # MTP with 3 and 4 query tokens (causal inside the query block): 12 and 15 packed rows in one 16-row block, 60
+    # rows in two 32-row blocks, and sparse (each query token its own top-k row)
+    "bf16_h3_qlen4_splits": (dict(num_heads=3, page_size=16, q_len=4), (3, 70), [4, 17, 70], (16, 16, 4, 1, 3),
+                             False),
+    "fp8_h5_qlen3_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64, q_len=3), (2, 150),
+                                   None, (16, 32, 4, 2, 2, False, 0, True), False),
+    "bf16_h20_qlen3_two_mblocks": (dict(num_heads=20, page_size=16, q_len=3), (2, 40), None,
+                                   (32, 16, 4, 1, 2, True), False),
+    "sparse_bf16_h3_qlen4": (dict(num_heads=3, page_size=16, topk=32, q_len=4), (3, 60), None, (16, 16, 4, 1, 2),
+                             False),
     "fp8_h5_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64), (2, 150), None,
                              (16, 32, 4, 2, 2, False, 0, True), False),
     "fp8_h1_scale_tensor": (dict(num_heads=1, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 33), None, None, True),
@@ -320,7 +330,7 @@ def _gpu_problem(kv_dtype: str, **kwargs) -> Problem:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
-@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
 @pytest.mark.parametrize("heads", GPU_HEADS)
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_gpu_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
@@ -377,7 +387,7 @@ def test_gpu_fp8_large_query_stays_finite(heads, fp16_math):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
-@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
 @pytest.mark.parametrize("heads", GPU_HEADS)
 def test_gpu_sparse_topk2048(kv_dtype, q_len, heads):
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, topk=2048, q_len=q_len)

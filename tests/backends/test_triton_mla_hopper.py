@@ -517,6 +517,29 @@ def test_gpu_hopper_dense_edge_lengths(kv_dtype, q_len, heads, page_size, form):
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("q_len,heads,sparse", [(3, 3, False), (4, 3, False), (3, 16, False), (4, 20, False),
+                                                (3, 128, False), (4, 3, True), (3, 16, True), (4, 64, True),
+                                                (3, 128, True)])
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_hopper_mtp_with_3_and_4_query_tokens(kv_dtype, q_len, heads, sparse, form):
+    # dense: q_len x heads packed rows (9 to 384: one to six row blocks), causal inside the query block, edge lengths
+    # and two long requests that split; sparse: a row block per query token and head block, top-k 2048
+    lens = [2048] * 6 if sparse else [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
+    items = 2048 if sparse else 5000
+    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=items, lengths=lens,
+                     sparse=sparse, form=form)
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=16, q_len=q_len, topk=2048 if sparse else None)
+    if sparse:
+        r = _run_case(problem, Shape(len(lens), 2500), device="cuda", params=params)
+    else:
+        r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
+    assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
+    assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("heads,batch,kv_len,q_len", [(16, 1, 32768, 1), (128, 2, 32768, 1), (64, 8, 4096, 1),
                                                       (20, 33, 3000, 2), (128, 64, 1024, 2), (16, 33, 3000, 2),
