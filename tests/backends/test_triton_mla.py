@@ -344,6 +344,20 @@ def test_gpu_dense_edge_lengths(kv_dtype, q_len, heads, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
+@pytest.mark.parametrize("heads", [7, 33, 65, 100, 127])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_gpu_odd_head_counts(kv_dtype, heads, sparse):
+    # head counts that leave the last row block partly empty (65: one row of a second 64-row block), dense with edge
+    # lengths and two long requests that split, sparse with top-k 2048; whichever kernel the dispatch picks
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, topk=2048 if sparse else None)
+    lens = None if sparse else [n or 0 for n in EDGE_LENGTHS] + [5000, 777]
+    r = _run_case(problem, Shape(6 if sparse else len(lens), 5000), device="cuda", seq_lens=lens)
+    assert not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
+    assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (128, 2, 32768), (64, 8, 4096), (20, 33, 3000)])
 def test_gpu_dense_long(kv_dtype, heads, batch, kv_len):
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, q_len=2 if heads == 20 else 1)
