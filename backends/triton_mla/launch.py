@@ -441,9 +441,9 @@ BIG_TILE_CC_MAJORS = (9, 10)
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                  kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
     """The heuristic's tile: on SM90 the warp-specialised kernel where `HOPPER_NARROW_MIN_BATCH` (its narrow form),
-    `HOPPER_KSPLIT_MIN_BATCH` (its k-split wide form, sparse with `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`) or `HOPPER_MIN_BATCH`
-    (the wide form) says it wins, the first that does (and the requests are not short, `short_requests`), otherwise
-    the tile of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES` for few requests).
+    `HOPPER_KSPLIT_MIN_BATCH` (its k-split wide form; sparse with `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`) or
+    `HOPPER_MIN_BATCH` (the wide form) says it wins, the first that does (and the requests are not short,
+    `short_requests`), otherwise the tile of `TILE_TABLE` for the head rows (`SMALL_BATCH_TILES` for few requests).
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
@@ -457,9 +457,9 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
                             (HOPPER_KSPLIT_MIN_BATCH, HOPPER_KSPLIT_TILE), (HOPPER_MIN_BATCH, HOPPER_TILE)):
             min_batch = table.get((kind, bucket), (None, None))[1 if sparse else 0]
             if min_batch is not None and batch >= min_batch:
-                split_batch, split_tokens = HOPPER_KSPLIT_SPARSE_MIN_SPLIT.get((kind, bucket), (None, 0))
-                if sparse and tile == HOPPER_KSPLIT_TILE and split_batch is not None and batch >= split_batch:
-                    return tile._replace(min_split_tokens=split_tokens)
+                longer = sparse and tile == HOPPER_KSPLIT_TILE and HOPPER_KSPLIT_SPARSE_MIN_SPLIT.get((kind, bucket))
+                if longer and batch >= longer[0]:
+                    return tile._replace(min_split_tokens=longer[1])
                 return tile
     return _table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
 

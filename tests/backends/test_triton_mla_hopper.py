@@ -602,7 +602,7 @@ def test_gpu_default_params_take_the_hopper_kernel_and_match_the_reference():
 @pytest.mark.gpu
 @hopper_only
 def test_gpu_sparse_128_heads_at_batch_4_takes_8_splits_and_matches_the_reference():
-    # `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`: the launch `mla_decode` picks with no params (8 splits of 4 tiles on 132 SMs)
+    # `HOPPER_KSPLIT_SPARSE_MIN_SPLIT`: the launch the adapters' `default_params` picks (8 splits of 4 tiles on 132 SMs)
     from mla_tune.backends.triton_mla.launch import default_params
 
     problem = _gpu_problem("bf16", num_heads=128, page_size=64, topk=2048)
