@@ -198,6 +198,25 @@ def input_set_bytes(inputs: DecodeInputs) -> int:
     return sum(t.numel() * t.element_size() for t in (inputs.q, inputs.kv_cache))
 
 
+def bytes_touched(inputs: DecodeInputs) -> int:
+    """Bytes of q and of distinct KV rows one decode step reads: what an L2 rotation has to add up.
+
+    Dense: every token of every request. Sparse: the distinct rows a request's valid top-k slots name (its MTP
+    positions share rows), not the whole cache a set allocates.
+    """
+    import torch
+
+    q_bytes = inputs.q.numel() * inputs.q.element_size()
+    row_bytes = inputs.kv_cache.shape[-1] * inputs.kv_cache.element_size()
+    idx = inputs.topk_indices
+    if idx is None:
+        return q_bytes + int(inputs.seq_lens.sum()) * row_bytes
+    request = torch.arange(idx.shape[0], device=idx.device, dtype=torch.int64).view(-1, 1, 1).expand_as(idx)
+    valid = idx >= 0
+    keys = request[valid] * (int(idx.max()) + 1) + idx[valid].long()
+    return q_bytes + int(torch.unique(keys).numel()) * row_bytes
+
+
 def kv_bytes_read(inputs: DecodeInputs) -> int:
     """Bytes of KV a decode step must read at least once (roofline numerator).
 

@@ -144,7 +144,7 @@ def run_shape(shape, names, args, env) -> list[dict]:
     """Prepare, check and time every eligible backend on one shape; one row per backend."""
     import torch
 
-    from mla_tune.backends.inputs import clone_data, input_set_bytes, kv_bytes_read, make_inputs
+    from mla_tune.backends.inputs import kv_bytes_read, make_inputs
     from mla_tune.backends.interface import BackendUnavailable
     from mla_tune.backends.problem import Problem, Shape
     from mla_tune.backends.reference import mla_reference
@@ -186,9 +186,8 @@ def run_shape(shape, names, args, env) -> list[dict]:
     if not prepared:
         return rows
     free, _ = torch.cuda.mem_get_info()
-    copies = timing.l2_rotation_copies(input_set_bytes(inputs), free_bytes=int(free * 0.5))
-    sets = clone_data(inputs, copies)
-    steps = {name: timing.capture_graph(lambda r=runner: [r.run(s) for s in sets], iterations_per_replay=copies)
+    sets = timing.cold_l2_sets(inputs, free_bytes=int(free * 0.5))
+    steps = {name: timing.capture_graph(lambda r=runner: [r.run(s) for s in sets], iterations_per_replay=len(sets))
              for name, (runner, _) in prepared.items()}
     timings = timing.time_interleaved(steps, rel_ci_target=args.rel_ci, max_seconds=args.max_seconds)
     kv_bytes = kv_bytes_read(inputs)

@@ -137,12 +137,9 @@ def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit, backend_of: dic
     A step whose capture raises goes to `on_failure(step, Outcome)` and is left out (PoisonedContext when
     the CUDA context is gone).
     """
-    from mla_tune.backends.inputs import clone_data, input_set_bytes
     from mla_tune.tuner import timing
 
-    per_set = input_set_bytes(inputs)
-    copies = timing.l2_rotation_copies(per_set, free_bytes=free_bytes)
-    sets = clone_data(inputs, copies)
+    sets = timing.cold_l2_sets(inputs, free_bytes=free_bytes)
     steps = {}
     for name, runner in prepared.items():
         emit(("begin", backend_of[name], "capture"))

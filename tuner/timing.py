@@ -3,8 +3,9 @@
 Everything that measures a kernel calls this module (STYLE.md "one place that
 times"). The protocol:
 
-1. `l2_rotation_copies` says how many copies of an input set (q + KV) make a
-   rotation at least three times the L2 size, so every launch reads from HBM.
+1. `cold_l2_sets` makes copies of an input set (q + KV) until the bytes the
+   launches read over one pass are at least three times the L2 size, so every
+   launch reads from HBM (`l2_rotation_copies` says how many).
 2. `capture_graph` captures one pass over the rotation (warm-up and JIT
    happen before capture), repeated inside the graph until one replay lasts
    about `min_replay_ms`, so that launch overhead and event resolution vanish.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 L2_ROTATION_FACTOR = 3          # rotation bytes >= this x L2 bytes
-MAX_ROTATION_COPIES = 64
+MAX_ROTATION_COPIES = 512       # 3 x 50 MiB over 0.6 MB (FP8, one request of 1k tokens) wants 267
 
 
 @dataclass(frozen=True)
@@ -97,29 +98,43 @@ def median_ci(samples_ms, confidence: float = 0.95) -> tuple[float, float, float
     return statistics.median(xs), xs[k - 1], xs[n - k]
 
 
-def l2_rotation_copies(bytes_per_set: int, l2_bytes: int | None = None,
-                       free_bytes: int | None = None, *, factor: int = L2_ROTATION_FACTOR,
-                       max_copies: int = MAX_ROTATION_COPIES) -> int:
+def l2_rotation_copies(bytes_read_per_set: int, l2_bytes: int | None = None,
+                       free_bytes: int | None = None, *, bytes_per_copy: int | None = None,
+                       factor: int = L2_ROTATION_FACTOR, max_copies: int = MAX_ROTATION_COPIES) -> int:
     """How many input sets (the original included) to rotate through to keep L2 cold.
 
     Args:
-        bytes_per_set: bytes of one set (q + KV cache; see `inputs.input_set_bytes`).
+        bytes_read_per_set: bytes one launch reads from its set (see `inputs.bytes_touched`: a sparse step reads
+            only the rows its top-k names, far less than its KV cache).
         l2_bytes: L2 size; None reads it from the current CUDA device (50 MiB if unknown).
         free_bytes: memory available for the extra copies; None = unlimited.
-        factor: the rotation should cover at least factor x L2.
+        bytes_per_copy: what one more set costs in memory (q + KV cache, `inputs.input_set_bytes`); None = the
+            bytes read.
+        factor: the bytes read over the rotation should cover at least factor x L2.
         max_copies: upper bound.
 
     Returns:
         At least 1; fewer than wanted when memory runs short.
     """
-    if bytes_per_set <= 0:
-        raise ValueError(f"bytes_per_set must be positive, got {bytes_per_set}")
+    if bytes_read_per_set <= 0:
+        raise ValueError(f"bytes_read_per_set must be positive, got {bytes_read_per_set}")
     if l2_bytes is None:
         l2_bytes = device_l2_bytes()
-    wanted = max(1, math.ceil(factor * l2_bytes / bytes_per_set))
+    wanted = max(1, math.ceil(factor * l2_bytes / bytes_read_per_set))
     if free_bytes is not None:
-        wanted = min(wanted, 1 + max(0, int(free_bytes)) // bytes_per_set)
+        wanted = min(wanted, 1 + max(0, int(free_bytes)) // (bytes_per_copy or bytes_read_per_set))
     return max(1, min(wanted, max_copies))
+
+
+def cold_l2_sets(inputs, *, free_bytes: int | None = None, l2_bytes: int | None = None) -> list:
+    """The input sets a timed graph rotates through: `inputs` first, then copies of its q and KV cache, until the
+    bytes the launches read over one pass reach `L2_ROTATION_FACTOR` x L2 (memory and `MAX_ROTATION_COPIES`
+    permitting)."""
+    from mla_tune.backends.inputs import bytes_touched, clone_data, input_set_bytes
+
+    copies = l2_rotation_copies(bytes_touched(inputs), l2_bytes, free_bytes,
+                                bytes_per_copy=input_set_bytes(inputs))
+    return clone_data(inputs, copies)
 
 
 def device_l2_bytes(device=None) -> int:

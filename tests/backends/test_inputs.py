@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mla_tune.backends.inputs import (FP8_KV_SCALE, clone_data, input_set_bytes, kv_bytes_read,
-                                      make_inputs)
+from mla_tune.backends.inputs import (FP8_KV_SCALE, bytes_touched, clone_data, input_set_bytes,
+                                      kv_bytes_read, make_inputs)
 from mla_tune.backends.interface import check_inputs
 from mla_tune.backends.problem import Problem, Shape
 
@@ -78,6 +78,29 @@ def test_clone_data_shares_metadata_and_copies_data():
     assert torch.equal(sets[2].kv_cache, inputs.kv_cache)
     assert input_set_bytes(inputs) == (inputs.q.numel() + inputs.kv_cache.numel()) * 2
     assert kv_bytes_read(inputs) == int(inputs.seq_lens.sum()) * 576 * 2
+
+
+def test_bytes_touched_counts_the_rows_a_step_reads_not_the_cache():
+    dense = make_inputs(Problem(num_heads=3, page_size=16), Shape(3, 50), seed=2)
+    q_bytes = dense.q.numel() * 2
+    assert bytes_touched(dense) == q_bytes + int(dense.seq_lens.sum()) * 576 * 2
+    # sparse MTP: two query positions of a request name overlapping rows, counted once
+    sparse = make_inputs(Problem(num_heads=3, q_len=2, topk=64, page_size=16), Shape(2, 300), seed=2)
+    distinct = sum(len({p for p in sparse.topk_indices[b].flatten().tolist() if p >= 0}) for b in range(2))
+    assert bytes_touched(sparse) == sparse.q.numel() * 2 + distinct * 576 * 2
+    assert 64 < distinct < 2 * 2 * 64          # overlapping, yet more than one position's
+    assert bytes_touched(sparse) < kv_bytes_read(sparse) + sparse.q.numel() * 2 < input_set_bytes(sparse)
+
+
+def test_cold_l2_sets_rotate_until_the_rows_read_cover_three_l2s():
+    from mla_tune.tuner.timing import cold_l2_sets
+
+    sparse = make_inputs(Problem(num_heads=3, topk=64, page_size=16), Shape(2, 3000), seed=2)
+    l2 = 4 * bytes_touched(sparse)
+    assert 3 * l2 < input_set_bytes(sparse)    # so a rotation sized by allocated bytes had one set
+    sets = cold_l2_sets(sparse, l2_bytes=l2)
+    assert len(sets) == 12 and sets[0] is sparse
+    assert len(cold_l2_sets(sparse, l2_bytes=l2, free_bytes=2 * input_set_bytes(sparse))) == 3
 
 
 def test_kv_len_shorter_than_q_len_is_refused():

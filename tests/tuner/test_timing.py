@@ -34,7 +34,10 @@ def test_l2_rotation_covers_three_times_l2_within_memory():
     assert l2_rotation_copies(400 * MiB, l2_bytes=50 * MiB) == 1
     assert l2_rotation_copies(10 * MiB, l2_bytes=50 * MiB, free_bytes=35 * MiB) == 4
     assert l2_rotation_copies(10 * MiB, l2_bytes=50 * MiB, free_bytes=0) == 1
-    assert l2_rotation_copies(1024, l2_bytes=50 * MiB) == 64
+    assert l2_rotation_copies(1024, l2_bytes=50 * MiB) == 512
+    # a sparse set reads 10 MiB of its 200 MiB: 15 copies wanted, memory for 1 + 1000 // 200
+    assert l2_rotation_copies(10 * MiB, l2_bytes=50 * MiB, free_bytes=1000 * MiB, bytes_per_copy=200 * MiB) == 6
+    assert l2_rotation_copies(10 * MiB, l2_bytes=50 * MiB, free_bytes=4000 * MiB, bytes_per_copy=200 * MiB) == 15
     with pytest.raises(ValueError):
         l2_rotation_copies(0, l2_bytes=50 * MiB)
 
