@@ -231,16 +231,13 @@ def _store_chunks(dst_lat, dst_rope, xs):
 
 
 @gluon.jit
-def _prefetch_rows(row, ok, kv_ptr, KV_FP8: gl.constexpr):
-    """Ask the L2 for every 128-byte line of a tile's rows, `prefetch.global.L2`: no registers, nothing to wait for.
-    FP8 rows are 576 bytes (the lines at element offsets 0, 128, 256, 384, 512 and 575 cover them), 16-bit rows 1152
-    (offsets 0, 64, ..., 512 and 575: nine lines); the last offset repeats to fill 8 or 16 columns. Invalid rows ask
-    for the cache's first line. `row` / `ok` in any row layout of the loader."""
-    COLS: gl.constexpr = 8 if KV_FP8 else 16
-    LINE: gl.constexpr = 128 if KV_FP8 else 64  # elements in a 128-byte line
-    layout: gl.constexpr = gl.BlockedLayout([1, COLS // 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
+def _prefetch_rows(row, ok, kv_ptr):
+    """Ask the L2 for every 128-byte line of a tile's FP8 rows (576 bytes each: the lines at offsets 0, 128, 256, 384,
+    512 and 575 cover them), `prefetch.global.L2`: no registers, nothing to wait for. Invalid rows ask for the cache's
+    first line. `row` / `ok` in the register loader's row layout."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [LOAD_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, layout)
-    offs = gl.minimum(gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)) * LINE, 575)
+    offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, 575)
     base = gl.where(gl.convert_layout(ok, rows), gl.convert_layout(row, rows), kv_ptr)
     gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base[:, None] + offs[None, :]],
                               dtype=gl.int32, is_pure=False, pack=1)
@@ -263,7 +260,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     cast to fp16 and stored while the MMA warps work on the other slot. (Loading an FP8 tile ahead and
     carrying the bytes across the loop makes LLVM keep every byte in a register of its own: 4.5 KB of
     spills. Carried as 32-bit words it did not spill, but ran 1.7% slower, up to 11% at 64 heads: device
-    call 48, bench/TRITON_NOTES.md round 16.) With `PREFETCH` (the forms in `launch.L2_PREFETCH_FORMS`) it asks
+    call 48, bench/TRITON_NOTES.md round 16.) With `PREFETCH` (FP8, the forms in `launch.L2_PREFETCH_FORMS`) it asks
     the L2 for the next tile's lines (`_prefetch_rows`) before it waits for that tile's slot (round 35).
     """
     if KV_FP8:
@@ -294,9 +291,9 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             async_copy.mbarrier_arrive(full_bars.index(slot), increment_count=False)
         row, ok = _tile_rows(start + (t + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, kv_ptr,
                              stride_kvp, stride_kvt, layout, BLOCK_N, PAGE_SIZE, SPARSE)
-        if PREFETCH and DEBUG != 2:
+        if PREFETCH and KV_FP8 and DEBUG != 2:
             if t + STRIDE < n_tiles:
-                _prefetch_rows(row, ok, kv_ptr, KV_FP8)  # the next tile's lines, while this loader waits for a slot
+                _prefetch_rows(row, ok, kv_ptr)  # the next tile's lines, while this loader waits for a slot
     if DEBUG == 7 and not KV_FP8:
         async_copy.commit_group()  # (mode 7: no MMA warp waited for these copies to land before the program exits)
         async_copy.wait_group(0)
