@@ -264,9 +264,14 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # over the dispatched form, H100, qk1-lazy-dispatch-{uniform,ragged}-h100-call191.txt): FP8 dense 64 heads batch 1-16
 # 0.972-0.979 uniform, 0.989-1.002 ragged, so from batch 1 there; FP8 128 heads batch 4 still 0.89 uniform but 1.015
 # ragged, BF16 128 heads batch 1 1.02-1.03, BF16 64 heads 0.995-1.03 uniform (ragged 0.97-0.99 from batch 4, 1.05 at
-# 1): unchanged.
+# 1): unchanged. BF16 64 heads again after rounds 52-56 (ks64-bf16-{h200-call223,h100-call224}.txt, same process, the
+# 4-warp launch over the wide form): H200 sparse batch 1 / 4 / 16 / 64 / 128 0.94 / 0.94 / 0.98 / 0.81 / 0.90, dense 1.03
+# at batch 1, 0.97-0.98 at 4-16, 0.89 / 0.86 at batch 64 kv 4k / 128 kv 16k; H100 sparse 0.94 / 0.97 / 0.99 / 0.985 /
+# 1.009, dense 0.99-1.03 (batch 2-8 at kv 2-6k 1.012 in geometric mean). So sparse from batch 1 and dense from 16: the
+# H100 as before within 1%, the H200 up to 14% faster.
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 128): (4, 1), ("fp8", 64): (1, None), ("fp8", 128): (16, None)}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 64): (16, 1), ("16bit", 128): (4, 1), ("fp8", 64): (1, None),
+                           ("fp8", 128): (16, None)}
 # Sparse requests on the 4-warp launch: (KV kind, rows bucket) -> (smallest batch, minimum split in tokens) replacing
 # its 128. Sparse BF16 128 heads, top-k 2048, same process, splits of at least 256 over 128 (sparse128-ksm256-h100-
 # call{206,207}.txt, H100): batch 4 0.946 / 0.944 of the time (8 splits instead of 16), batch 1 1.24 / 1.25 (so not
