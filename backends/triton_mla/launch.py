@@ -265,10 +265,11 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 0.972-0.979 uniform, 0.989-1.002 ragged, so from batch 1 there; FP8 128 heads batch 4 still 0.89 uniform but 1.015
 # ragged, BF16 128 heads batch 1 1.02-1.03, BF16 64 heads 0.995-1.03 uniform (ragged 0.97-0.99 from batch 4, 1.05 at
 # 1): unchanged. BF16 64 heads again after rounds 52-56 (ks64-bf16-{h200-call223,h100-call224}.txt, same process, the
-# 4-warp launch over the wide form): H200 sparse batch 1 / 4 / 16 / 64 / 128 0.94 / 0.94 / 0.98 / 0.81 / 0.90, dense 1.03
-# at batch 1, 0.97-0.98 at 4-16, 0.89 / 0.86 at batch 64 kv 4k / 128 kv 16k; H100 sparse 0.94 / 0.97 / 0.99 / 0.985 /
-# 1.009, dense 0.99-1.03 (batch 2-8 at kv 2-6k 1.012 in geometric mean). So sparse from batch 1 and dense from 16: the
-# H100 as before within 1%, the H200 up to 14% faster.
+# 4-warp launch over the wide form): H200 sparse batch 1 / 4 / 16 / 64 / 128 0.94 / 0.94 / 0.98 / 0.81 / 0.90, dense
+# 1.03 at batch 1, 0.97-0.98 at 4-16, 0.89 / 0.86 at batch 64 kv 4k / 128 kv 16k; H100 sparse 0.94 / 0.97 / 0.99 /
+# 0.985 / 1.009, dense 0.99-1.03 (batch 2-8 at kv 2-6k 1.012 in geometric mean). So sparse from batch 1 and dense from
+# 16: the H100 as before within 1%, the H200 up to 14% faster (grids: calls 225 and 227). Sparse FP8 stays on the wide
+# form (4-warp launch 1.035-1.060x slower on an H200, ks-fp8-sparse-h200-call228.txt).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 64): (16, 1), ("16bit", 128): (4, 1), ("fp8", 64): (1, None),
                            ("fp8", 128): (16, None)}
