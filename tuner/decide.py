@@ -159,7 +159,8 @@ def family(key: DecisionKey) -> tuple:
             key.page_size, key.topk, key.q_len)
 
 
-def find_anomalies(decisions: Sequence[Decision], *, threshold: float = ANOMALY_THRESHOLD) -> dict[DecisionKey, list[str]]:
+def find_anomalies(decisions: Sequence[Decision], *,
+                   threshold: float = ANOMALY_THRESHOLD) -> dict[DecisionKey, list[str]]:
     """Flag backends whose score at one head count departs from the trend of its neighbours.
 
     Within each family (same key but heads), for each backend and each

@@ -53,7 +53,8 @@ class TuneProgress:
         if self._progress is None:
             return
         with self._lock:
-            text = f"  GPU {device.index}: {key.num_heads} heads {key.kv_cache_dtype}, batch {shape.batch_size} x {shape.kv_len}"
+            text = (f"  GPU {device.index}: {key.num_heads} heads {key.kv_cache_dtype}, "
+                    f"batch {shape.batch_size} x {shape.kv_len}")
             if device.uuid not in self._gpus:
                 self._gpus[device.uuid] = self._progress.add_task(text, total=None)
             else:

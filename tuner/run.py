@@ -245,7 +245,8 @@ class _SkuTune:
                                                                  int(info["peak_memory_bytes"]))
             if result.restarts:
                 self.report.notes.append(f"GPU {device.index}: worker replaced {result.restarts} time(s) at "
-                                         f"{plan.key.label}, batch {unit.shape.batch_size} x kv_len {unit.shape.kv_len}")
+                                         f"{plan.key.label}, batch {unit.shape.batch_size} "
+                                         f"x kv_len {unit.shape.kv_len}")
             # The budget's guess of a unit excludes one-off costs (JIT, worker start).
             self.unit_seconds.append(max(0.0, elapsed - prep - info.get("worker_start_s", 0.0)))
             self.report.units_done += 1
