@@ -268,8 +268,8 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 4-warp launch over the wide form): H200 sparse batch 1 / 4 / 16 / 64 / 128 0.94 / 0.94 / 0.98 / 0.81 / 0.90, dense
 # 1.03 at batch 1, 0.97-0.98 at 4-16, 0.89 / 0.86 at batch 64 kv 4k / 128 kv 16k; H100 sparse 0.94 / 0.97 / 0.99 /
 # 0.985 / 1.009, dense 0.99-1.03 (batch 2-8 at kv 2-6k 1.012 in geometric mean). So sparse from batch 1 and dense from
-# 16: the H100 as before within 1%, the H200 up to 14% faster (grids: calls 225 and 227). Sparse FP8 stays on the wide
-# form (4-warp launch 1.035-1.060x slower on an H200, ks-fp8-sparse-h200-call228.txt).
+# 16: the H100 at 0.94-1.009 of the time, the H200 at 0.81-0.98 (grids: calls 225 and 227). Sparse FP8 stays on
+# the wide form (4-warp launch 1.035-1.060x slower on an H200, ks-fp8-sparse-h200-call228.txt).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 64): (16, 1), ("16bit", 128): (4, 1), ("fp8", 64): (1, None),
                            ("fp8", 128): (16, None)}
