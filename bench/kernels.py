@@ -196,8 +196,9 @@ def run_shape(shape, names, args, env) -> list[dict]:
     best = min(t.median_ms for t in timings.values())
     for name, (_, row) in prepared.items():
         t = timings[name]
-        rows.append({**row, "status": "ok", "median_us": t.median_ms * 1e3, "ci_us": (t.ci_low_ms * 1e3, t.ci_high_ms * 1e3),
-                     "samples": t.samples, "frac": roof_ms / t.median_ms, "vs_best": t.median_ms / best})
+        rows.append({**row, "status": "ok", "median_us": t.median_ms * 1e3,
+                     "ci_us": (t.ci_low_ms * 1e3, t.ci_high_ms * 1e3), "samples": t.samples,
+                     "frac": roof_ms / t.median_ms, "vs_best": t.median_ms / best})
     del sets, steps, prepared
     torch.cuda.empty_cache()
     return rows
@@ -210,7 +211,8 @@ HEADER = (f"{'kv':<9}{'heads':>5}{'batch':>6}{'kv_len':>7}{'topk':>5}  {'backend
 def format_row(r: dict) -> str:
     if r.get("status") == "ok":
         lo, hi = r["ci_us"]
-        timing = f"{r['median_us']:>10.1f}{f'{lo:.1f}-{hi:.1f}':>18}{r['samples']:>4}{r['vs_best']:>7.2f}{r['frac']:>6.2f}"
+        timing = (f"{r['median_us']:>10.1f}{f'{lo:.1f}-{hi:.1f}':>18}{r['samples']:>4}"
+                  f"{r['vs_best']:>7.2f}{r['frac']:>6.2f}")
     else:
         timing = f"{'-':>10}{'-':>18}{'-':>4}{'-':>7}{'-':>6}"
     err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
@@ -240,7 +242,8 @@ def main(argv=None) -> int:
               f"# command: python3 bench/kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}",
               "# " + ", ".join(f"{k} {v}" for k, v in env.items()
                                if k not in ("spec", "copy_gbs", "matmul_tflops")),
-              f"# copy bandwidth {env['copy_gbs']:.0f} GB/s (read+write), bf16 matmul {env['matmul_tflops']:.0f} TFLOP/s",
+              f"# copy bandwidth {env['copy_gbs']:.0f} GB/s (read+write), "
+              f"bf16 matmul {env['matmul_tflops']:.0f} TFLOP/s",
               f"# page_size {args.page_size}, q_len 1, {'ragged' if args.ragged else 'uniform'} lengths, "
               f"CUDA graphs over L2-rotated copies, rel-CI target {args.rel_ci}, cap {args.max_seconds}s/shape",
               f"# backends tried where eligible: {', '.join(names)}", HEADER]

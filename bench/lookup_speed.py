@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lines = [f"# lookup speed, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+             f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+             f"Python {platform.python_version()}, "
              f"load average {os.getloadavg()[0]:.1f} at start (other processes share these CPUs)"]
 
     # 1. import cost in a fresh interpreter

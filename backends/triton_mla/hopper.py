@@ -42,8 +42,8 @@ it writes the same `(out, lse)` partials, merged by `kernel._mla_combine_kernel`
 
 The query: code before `gl.warp_specialize` runs on the MMA warps while the loader waits, so with `QUERY_IN_CONSUMER`
 each MMA partition loads the query into shared memory itself (`_store_query`) and the loader streams KV tiles from
-the start: 0.91-1.00 of the time with 1-16 tiles a program (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old order
-for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
+the start: 0.91-1.00 of the time with 1-16 tiles a program (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old
+order for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
 122-130) and the 4-warp launch but for its sparse BF16 form (call 178).
 
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring,
@@ -101,8 +101,8 @@ QUERY_IN_CONSUMER = None
 # production: by form, `launch.L2_PREFETCH_FORMS`.
 L2_PREFETCH = None
 # Measurement only (bench/hopper_dev.py): False drops the MMA warps' proxy fence after a slot's barrier where the loader
-# fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. None in production:
-# `launch.HOPPER_CONSUMER_FENCE`.
+# fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. In production
+# (None): `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
 
 

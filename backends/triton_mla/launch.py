@@ -670,8 +670,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 # in the others the MMA warps load it themselves, so the loader streams KV tiles from the start (round 33, H100 device
 # call 122, same-process A/B: 0.91-1.00 of the time with 1-16 tiles a program, 0.94-1.01 with 32-256). Kept before: the
 # FP8 dense wide form, which ran 1.02-1.22x slower with 8-256 tiles a program though its MMA warps alone and its loader
-# alone ran as fast either way (calls 123 and 130: its loader's global loads waited longer; call 135 later showed the MMA
-# warps' proxy fence waiting behind an early loader, removed in round 36, after which the query by the MMA warps read
+# alone ran as fast either way (calls 123 and 130: its loader's global loads waited longer; call 135 later showed the
+# MMA warps' proxy fence waiting behind an early loader, removed in round 36; since then the query by the MMA warps read
 # 0.97-1.005 there against 0.93-0.95 for the L2 prefetch, call 136; both together not measured), and the k-split form
 # (BF16 dense 1.02-1.03x at batch 64-128; FP8 and sparse, which only the tuner ran, not measured). With its qk1
 # division (round 48) sparse BF16 loads it in warpgroup 0: 0.97 / 0.97 / 0.99 / 0.99 of the time at 128 heads batch
@@ -685,8 +685,8 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
 # 0.97-1.01 at batch 4 (H100 call 132; H200 call 134: 0.91-0.93); dense wide, once the consumer fence was gone too
 # (round 36, call 136), 0.93-0.95 at 64 heads batch 4-128 against neither change, 0.94-1.00 against the fence's removal
 # alone (with the fence, the prefetch had made that form 1.04-1.09x slower at batch 64-128, call 132). The dense k-split
-# form (the tuner's for FP8) too: 0.926-0.939 at 64 heads batch 4-128, 0.98-1.01 at 128 heads, 1.00-1.01 at batch 1 (H100
-# call 140); its sparse form, not measured with it, goes without.
+# form (the tuner's for FP8) too: 0.926-0.939 at 64 heads batch 4-128, 0.98-1.01 at 128 heads, 1.00-1.01 at batch 1
+# (H100 call 140); its sparse form, not measured with it, goes without.
 L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("ksplit", "fp8", "dense")}
 
 

@@ -442,7 +442,8 @@ def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
     lens = [5000, 17, 1000][:batch]
     # cc_major None: the tl tables as they stand (on SM90 the warp-specialised kernel may take the batch)
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=topk or 5000, num_sms=132,
-                            sparse=topk is not None, kv_fp8=kv_dtype == "fp8_e4m3", lengths=[topk] * batch if topk else lens,
+                            sparse=topk is not None, kv_fp8=kv_dtype == "fp8_e4m3",
+                            lengths=[topk] * batch if topk else lens,
                             cc_major=None)
     assert params.block_h == 16, params
     problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, topk=topk)

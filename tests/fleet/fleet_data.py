@@ -84,7 +84,8 @@ def decision(k: DecisionKey, ms: list[Measurement], *, fingerprint: SoftwareFing
                     margin=scores[ranked[1]] / scores[ranked[0]] - 1, static_score=scores["TRITON_MLA"],
                     noise_margin=0.02, per_shape=tuple(
                         ShapeWinner(b, n, min(med, key=lambda x: med[x][(b, n)]), best[(b, n)]) for b, n in shapes),
-                    anomalies=anomalies, failures={"TRITON_MLA_SPARSE": "the key is dense and the backend is sparse-only"},
+                    anomalies=anomalies,
+                    failures={"TRITON_MLA_SPARSE": "the key is dense and the backend is sparse-only"},
                     fingerprint=fingerprint, gpu_uuids=tuple(sorted({m.gpu_uuid for m in ms})),
                     decided_at="2026-11-22T01:05:00Z")
 

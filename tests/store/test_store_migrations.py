@@ -90,7 +90,8 @@ def test_newer_schema_is_refused_by_writer_and_reader_and_left_alone(store_url):
         store.save_decision(decision(key()))
     _set_revision(store_url, "9999")
     before = dump(store_url)
-    expected = f"schema revision 9999, which is newer than this mla-tune \\(knows up to {HEAD_REVISION}\\); upgrade mla-tune"
+    expected = (f"schema revision 9999, which is newer than this mla-tune \\(knows up to {HEAD_REVISION}\\); "
+                "upgrade mla-tune")
     with pytest.raises(StoreError, match=expected):
         Store.open(store_url)
     with pytest.raises(StoreError, match=expected):

@@ -90,7 +90,8 @@ def test_sqlite_lookup_imports_no_sqlalchemy_alembic_or_torch(tmp_path):
         "import json, sys\n"
         "from mla_tune.store.readonly import find_decisions\n"
         f"found = find_decisions({f'sqlite:///{path}'!r}, sku={H100.sku!r}, key_fields={{'num_heads': 16}})\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'alembic', 'torch', 'triton', 'psycopg'))\n"
+        "heavy = sorted(m for m in sys.modules\n"
+        "               if m.split('.')[0] in ('sqlalchemy', 'alembic', 'torch', 'triton', 'psycopg'))\n"
         "print(json.dumps({'winners': [d.winner for d in found], 'heavy': heavy}))\n")
     env = {k: v for k, v in os.environ.items() if k != "MLA_TUNE_DB"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

@@ -85,7 +85,8 @@ def test_tune_stores_decisions_failures_and_skips_what_is_tuned(env, monkeypatch
 def test_busy_gpu_lock_stops_a_second_tune_before_anything_is_stored(env):
     tmp, workload = env
     with GpuLock("GPU-fake-0"), Store.open(f"sqlite:///{tmp / 'lock.db'}") as store:
-        with pytest.raises(GpuBusy, match=f"GPU GPU-fake-0 is being timed by another mla-tune process .pid {os.getpid()}"):
+        busy = f"GPU GPU-fake-0 is being timed by another mla-tune process .pid {os.getpid()}"
+        with pytest.raises(GpuBusy, match=busy):
             tune(spec(workload), store=store, devices=[GPU0], options=options("FAKE_GOOD"))
         assert store.runs() == [] and store.decisions() == []
 
