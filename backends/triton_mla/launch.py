@@ -269,10 +269,14 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # 1.03 at batch 1, 0.97-0.98 at 4-16, 0.89 / 0.86 at batch 64 kv 4k / 128 kv 16k; H100 sparse 0.94 / 0.97 / 0.99 /
 # 0.985 / 1.009, dense 0.99-1.03 (batch 2-8 at kv 2-6k 1.012 in geometric mean). So sparse from batch 1 and dense from
 # 16: the H100 at 0.94-1.009 of the time, the H200 at 0.81-0.98 (grids: calls 225 and 227). Sparse FP8 stays on
-# the wide form (4-warp launch 1.035-1.060x slower on an H200, ks-fp8-sparse-h200-call228.txt).
+# the wide form (4-warp launch 1.035-1.060x slower on an H200, ks-fp8-sparse-h200-call228.txt), but for batch 64 and
+# up since it runs with the L2 prefetch of the wide form's FP8 loader (`L2_PREFETCH_FORMS`): same process over the
+# wide form, 64 heads batch 64 / 128 0.979 / 0.980 and 128 heads 0.973 / 0.988 on an H100, 0.976 / 0.977 and 0.981 /
+# 0.971 on an H200; at batch 1-16 1.03-1.04 / 0.99-1.01 (H200; H100 batch 4 1.009-1.027)
+# (dev-timing-ab-h100-call230.txt, ks-fp8-sparse-{small-h200-call231,h200-call232}.txt).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
-HOPPER_KSPLIT_MIN_BATCH = {("16bit", 64): (16, 1), ("16bit", 128): (4, 1), ("fp8", 64): (1, None),
-                           ("fp8", 128): (16, None)}
+HOPPER_KSPLIT_MIN_BATCH = {("16bit", 64): (16, 1), ("16bit", 128): (4, 1), ("fp8", 64): (1, 64),
+                           ("fp8", 128): (16, 64)}
 # Sparse requests on the 4-warp launch: (KV kind, rows bucket) -> (smallest batch, minimum split in tokens) replacing
 # its 128. Sparse BF16 128 heads, top-k 2048, same process, splits of at least 256 over 128 (sparse128-ksm256-h100-
 # call{206,207}.txt, H100): batch 4 0.946 / 0.944 of the time (8 splits instead of 16), batch 1 1.24 / 1.25 (so not
@@ -686,8 +690,10 @@ QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"
 # (round 36, call 136), 0.93-0.95 at 64 heads batch 4-128 against neither change, 0.94-1.00 against the fence's removal
 # alone (with the fence, the prefetch had made that form 1.04-1.09x slower at batch 64-128, call 132). The dense k-split
 # form (the tuner's for FP8) too: 0.926-0.939 at 64 heads batch 4-128, 0.98-1.01 at 128 heads, 1.00-1.01 at batch 1
-# (H100 call 140); its sparse form, not measured with it, goes without.
-L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("ksplit", "fp8", "dense")}
+# (H100 call 140). Its sparse form too since calls 230-232: 0.91-0.95 of the time without it at batch 64-128 (which
+# took sparse FP8 from batch 64 onto the 4-warp launch, `HOPPER_KSPLIT_MIN_BATCH`), 0.95-0.99 at batch 1-16.
+L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("ksplit", "fp8", "dense"),
+                     ("ksplit", "fp8", "sparse")}
 
 
 # Whether the MMA warps fence an FP8 slot for wgmma after its barrier (16-bit slots, written by cp.async, always are).

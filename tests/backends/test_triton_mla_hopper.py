@@ -338,7 +338,8 @@ def test_the_query_is_loaded_before_the_partitions_or_by_the_mma_warps(kv, rows,
 
 @pytest.mark.parametrize("heads,kv_fp8,sparse,batch,inside", [
     (16, True, False, 64, True), (32, False, True, 64, True),   # narrow forms
-    (64, False, False, 8, True), (64, True, True, 64, True),    # wide: BF16 (dense below batch 16), sparse FP8
+    (64, False, False, 8, True), (64, True, True, 16, True),    # wide: BF16 (dense below batch 16), sparse FP8
+    (64, True, True, 64, False),                                # sparse FP8 from batch 64: the 4-warp launch
     (64, True, False, 64, False),                               # wide FP8 dense: 1.02-1.22x slower inside
     (128, False, False, 128, False), (64, False, False, 64, False),  # the 4-warp launch (qk1), dense
     (128, False, True, 128, True), (64, False, True, 4, True),  # ... sparse BF16: 0.97-0.99 inside (call 178)
@@ -389,7 +390,7 @@ def test_fp8_slots_are_fenced_by_their_loader_and_16bit_ones_by_the_mma_warps(kv
 
 
 @pytest.mark.parametrize("heads,kv_fp8,sparse,prefetch", [
-    (64, True, True, True), (128, True, True, True),     # sparse wide FP8: 0.89-0.92 at batch 64-128
+    (64, True, True, True), (128, True, True, True),     # sparse FP8 (4-warp launch at batch 64): 0.91-0.95
     (64, True, False, True),                             # dense wide FP8: 0.93-0.95 without the consumer fence
     (16, True, True, False), (64, False, True, False)])  # the narrow form (staged loader), BF16 (cp.async)
 def test_launch_prefetches_into_l2_by_form(heads, kv_fp8, sparse, prefetch):
@@ -401,10 +402,10 @@ def test_launch_prefetches_into_l2_by_form(heads, kv_fp8, sparse, prefetch):
     assert hopper_form(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)["L2_PREFETCH"] is prefetch
 
 
-@pytest.mark.parametrize("sparse,prefetch", [(False, True), (True, False)])
+@pytest.mark.parametrize("sparse,prefetch", [(False, True), (True, True)])
 def test_the_ksplit_fp8_form_prefetches_into_l2_where_measured(sparse, prefetch):
-    # the tuner's k-split FP8 form, dense: 0.926-0.939 of the time at 64 heads batch 4-128, 0.98-1.01 at 128 heads (H100
-    # call 140); sparse not measured with it
+    # the 4-warp launch's FP8 form, dense: 0.926-0.939 of the time at 64 heads batch 4-128, 0.98-1.01 at 128 heads (H100
+    # call 140); sparse: 0.91-0.95 at batch 64-128, 0.95-0.99 at batch 1-16 (calls 230-232, H100 and H200)
     from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_TILE, hopper_form, params_from_tile
 
     params = params_from_tile(HOPPER_KSPLIT_TILE, rows=128, q_len=1, batch=64, max_items=4096, num_sms=132,
@@ -429,7 +430,10 @@ def test_the_ksplit_fp8_form_prefetches_into_l2_where_measured(sparse, prefetch)
     (128, 1, 128, False, True, True),   # sparse BF16 128 heads from batch 4, the query by warpgroup 0: 0.87 at 128
     (128, 1, 4, False, True, True),     # ... 0.98 at batch 4 (call 178)
     (128, 1, 1, False, True, True),     # ... and at batch 1: 0.983 (H100 call 183), 0.986 (H200 call 181)
-    (128, 1, 128, True, True, False),   # sparse FP8: 1.04
+    (128, 1, 128, True, True, True),    # sparse FP8 from batch 64, with the L2 prefetch: 0.971-0.988 (calls 230-232)
+    (64, 1, 64, True, True, True),      # ... 0.976-0.980
+    (128, 1, 16, True, True, False),    # ... not below (H200 0.99-1.04 at batch 1-16)
+    (64, 1, 4, True, True, False),
 ])
 def test_sm90_dispatch_of_the_ksplit_form(heads, q_len, batch, kv_fp8, sparse, ksplit):
     from mla_tune.backends.triton_mla.launch import HOPPER_KSPLIT_TILE, HOPPER_TILE, candidate_tiles, default_params
