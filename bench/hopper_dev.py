@@ -45,7 +45,10 @@ SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (12
               # a few requests of 2-6k tokens, where the split model gives programs of two to four tiles
               "few": ([(2, 4096), (3, 4096), (4, 2048), (4, 4096), (4, 6144), (6, 4096), (8, 3072)], []),
               # short requests, where `launch.HOPPER_MIN_ITEMS` / `HOPPER_SHORT_BATCH` keep the tl tiles
-              "short": ([(1, 1024), (4, 1024), (16, 1024), (32, 1024), (16, 1536)], [])}
+              "short": ([(1, 1024), (4, 1024), (16, 1024), (32, 1024), (16, 1536)], []),
+              # 64-row programs at 128 heads, one split each from batch 64: 256 programs on 132 SMs at batch 128,
+              # two full waves at 132 (and 128 / 132 programs of two splits at batch 64 / 66)
+              "waves": ([], [(64, 32768), (66, 32768), (128, 32768), (132, 32768)])}
 
 
 # Narrow-form candidates: the measurement switches of hopper.py each sets for its runs.
