@@ -1,7 +1,8 @@
 """Warp-specialised Hopper kernel (`backends/triton_mla/hopper.py`) against the shipped `tl` tiles.
 
 Same process, same inputs (uniform lengths, as in the official grid, unless --ragged), every output
-checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies, bench/triton_dev.py).
+checked against `mla_reference` before it is timed (CUDA graph over L2-rotated copies; a shape's kernels are
+captured first and their replays interleaved, `triton_dev.time_steps`).
 Each candidate (`candidate`) is a tile of the Hopper kernel (`HOPPER_TILE`, optionally with another minimum
 split; the k-split or narrow form; or the dispatched tile with measurement switches), timed on BF16 or FP8
 shapes; its splits come from the same split model as the shipped tiles (`params_from_tile` with the real
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import triton_dev  # noqa: E402
-from triton_dev import Case, check_and_time, fmt_line, log, measure_machine  # noqa: E402
+from triton_dev import Case, fmt_line, log, measure_machine  # noqa: E402
 
 from mla_tune.backends.problem import Problem, Shape  # noqa: E402
 from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse  # noqa: E402
@@ -112,24 +113,22 @@ def switched(switches: dict):
             setattr(modules[name], name, value)
 
 
-def timed(case, adapter, *, debug: str | None, switches: dict) -> dict:
-    """`check_and_time` with the measurement `switches` set (`switched`), or `debug_time` where they (or `--debug`,
-    which wins over a candidate's own '@' mode) name a measurement mode of hopper.py."""
-    if debug:
-        switches = {**switches, "DEBUG_MODE": DEBUG_MODES[debug]}
+def checked_step(case, adapter, *, switches: dict) -> tuple[object, dict]:
+    """(captured CUDA graph or None, result without times): `adapter` checked (`triton_dev.check`; not in a measurement
+    mode of hopper.py, whose outputs mean nothing) and captured with the measurement `switches` set (`switched`), so
+    its graph keeps the kernel they select when it is replayed beside the other candidates'."""
     with switched(switches):
-        return debug_time(case, adapter) if switches.get("DEBUG_MODE") else check_and_time(case, adapter)
-
-
-def debug_time(case, adapter) -> dict:
-    """Time `adapter` in the measurement mode hopper.py is set to (outputs are not meaningful, so not checked)."""
-    mode = next(name for name, number in DEBUG_MODES.items() if number == hopper.DEBUG_MODE)
-    try:
-        prepared = adapter.prepare(case.problem, case.sets[0])
-        med, lo, hi = triton_dev.time_graph(prepared.run, case.sets)
-        return {"status": "ok", "err": float("nan"), "us": med, "lo": lo, "hi": hi, "info": f" debug {mode}"}
-    except Exception as exc:  # a failure is data
-        return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        mode = switches.get("DEBUG_MODE")
+        prepared, result = triton_dev.check(case, adapter, verify=not mode)
+        if prepared is None:
+            return None, result
+        if mode:
+            name = next(name for name, number in DEBUG_MODES.items() if number == mode)
+            result = {**result, "info": f"{result['info']} debug {name}"}
+        try:
+            return triton_dev.capture(prepared.run, case.sets), result
+        except Exception as exc:  # a failure is data
+            return None, {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def main():
@@ -185,9 +184,10 @@ def main():
             return params_for(tile if min_split is None else tile._replace(min_split_tokens=min_split), **shape,
                               num_sms=sms, lengths=case.lengths)
 
-        # the tl tiles as shipped before the Hopper kernel (cc_major None: no warp-specialised dispatch)
-        base = check_and_time(case, adapter_cls(dispatched(None)))
-        log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
+        # Every entry of the shape is checked and captured first, then all are timed together (`time_steps`:
+        # replays interleaved); then one line each, in this order: the tl tiles as shipped before the Hopper kernel
+        # (cc_major None: no warp-specialised dispatch), the candidates, FA3.
+        entries = [("tl", adapter_cls(dispatched(None)), {})]
         for i, (ckind, tile_for, switches) in enumerate(cands):
             tile = tile_for(rows_bucket(rows))
             if ckind != kind or tile is None:
@@ -200,16 +200,33 @@ def main():
                 params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch,
                                           max_items=case.max_items, num_sms=sms, sparse=bool(topk),
                                           lengths=case.lengths)
-            r = timed(case, adapter_cls(params), debug=args.debug, switches=switches)
-            tag = ""
-            if r["status"] == "ok" and base["status"] == "ok":
-                ratios[i].append((r["us"] / base["us"], case.label()))
-                tag = f"x{r['us'] / base['us']:.3f}"
-            log(fmt_line(case, f"{names[i]} {params.label()}", r, roof, tag))
+            if args.debug:
+                switches = {**switches, "DEBUG_MODE": DEBUG_MODES[args.debug]}
+            entries.append((i, adapter_cls(params), switches))
         if args.fa3:
             from mla_tune.backends.flashinfer_mla import FlashInferFA3, FlashInferFA3Sparse
-            r = check_and_time(case, (FlashInferFA3Sparse if topk else FlashInferFA3)())
-            log(fmt_line(case, "fa3", r, roof))
+            entries.append(("fa3", (FlashInferFA3Sparse if topk else FlashInferFA3)(), {}))
+        steps, results = {}, {}
+        for key, adapter, switches in entries:
+            step, results[key] = checked_step(case, adapter, switches=switches)
+            if step is not None:
+                steps[key] = step
+        for key, times in triton_dev.time_steps(steps).items():
+            results[key] = triton_dev.with_times(results[key], times)
+        del steps
+        base = results["tl"]
+        log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
+        for key, _, _ in entries[1:]:
+            r = results[key]
+            if key == "fa3":
+                log(fmt_line(case, "fa3", r, roof))
+                continue
+            tag = ""
+            if r["status"] == "ok" and base["status"] == "ok":
+                ratios[key].append((r["us"] / base["us"], case.label()))
+                tag = f"x{r['us'] / base['us']:.3f}"
+            label = r["params"].label() if r.get("params") else ""
+            log(fmt_line(case, f"{names[key]} {label}", r, roof, tag))
         case.free()
     firsts = {}  # KV kind -> index of its first candidate, the reference of the "vs first" line
     for i, (kind, *_) in enumerate(cands):

@@ -42,18 +42,25 @@ def log(*args):
             print(*args, file=f)
 
 
-def time_graph(run, input_sets, *, replays: int = 12) -> tuple[float, float, float]:
-    """(median, min, max) microseconds per launch over `replays` CUDA-graph replays of one pass over `input_sets`.
-
-    `tuner.timing` captures and times (`capture_graph`, `time_interleaved`), with a fixed number of replays and no
-    repeats inside the graph: the protocol every dev-tool figure since round 2 was measured with (earlier calls ran
-    the same loop written out here).
-    """
-    step = timing.capture_graph(lambda: [run(s) for s in input_sets], iterations_per_replay=len(input_sets),
+def capture(run, input_sets):
+    """`run` over every input set once, captured in a CUDA graph by `tuner.timing` (no repeats inside the graph)."""
+    return timing.capture_graph(lambda: [run(s) for s in input_sets], iterations_per_replay=len(input_sets),
                                 warmup=1, min_replay_ms=0)
-    result = timing.time_interleaved({"run": step}, rel_ci_target=0.0, max_seconds=math.inf,
-                                     min_samples=replays, max_samples=replays, warmup=2)["run"]
-    return result.median_ms * 1e3, min(result.all_ms) * 1e3, max(result.all_ms) * 1e3
+
+
+def time_steps(steps: dict, *, replays: int = 12) -> dict:
+    """name -> (median, min, max) microseconds per launch over `replays` replays of each captured graph in `steps`,
+    the candidates' replays interleaved round-robin in a rotating order (`tuner.timing.time_interleaved`), so clock
+    and thermal drift favour no one. Until device call 235 the dev tools timed each candidate's 12 replays in one
+    burst, one candidate after another."""
+    results = timing.time_interleaved(steps, rel_ci_target=0.0, max_seconds=math.inf, min_samples=replays,
+                                      max_samples=replays, warmup=2)
+    return {name: (r.median_ms * 1e3, min(r.all_ms) * 1e3, max(r.all_ms) * 1e3) for name, r in results.items()}
+
+
+def time_graph(run, input_sets, *, replays: int = 12) -> tuple[float, float, float]:
+    """(median, min, max) microseconds per launch of `run` alone (`capture`, `time_steps`)."""
+    return time_steps({"run": capture(run, input_sets)}, replays=replays)["run"]
 
 
 def measure_machine() -> tuple[float, float]:
@@ -100,15 +107,19 @@ class Case:
         self.ref = self.ref_lse = None
 
 
-def check_and_time(case: Case, adapter) -> dict:
+def check(case: Case, adapter, *, verify: bool = True) -> tuple[object, dict]:
+    """(prepared adapter or None, result without times): `adapter` prepared for `case`, run once and, with `verify`,
+    checked against the float32 reference (hopper.py's measurement modes compute nothing meaningful: no check)."""
     try:
         prepared = adapter.prepare(case.problem, case.sets[0])
         out, lse = prepared.run(case.sets[0])
         torch.cuda.synchronize()
-        verdict = check_output(out, lse, case.ref, case.ref_lse, kv_cache_dtype=case.problem.kv_cache_dtype)
-        err = verdict.rel_error
-        if not verdict.ok:
-            return {"status": "incorrect", "err": err, "reason": verdict.reason}
+        err = float("nan")
+        if verify:
+            verdict = check_output(out, lse, case.ref, case.ref_lse, kv_cache_dtype=case.problem.kv_cache_dtype)
+            err = verdict.rel_error
+            if not verdict.ok:
+                return None, {"status": "incorrect", "err": err, "reason": verdict.reason}
         info = ""
         if hasattr(prepared, "workspace"):
             s0 = case.sets[0]
@@ -117,9 +128,23 @@ def check_and_time(case: Case, adapter) -> dict:
                        params=prepared.params, workspace=prepared.workspace)
             if hasattr(k, "n_regs"):
                 info = f" regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared // 1024}K"
-        med, lo, hi = time_graph(prepared.run, case.sets)
-        return {"status": "ok", "err": err, "us": med, "lo": lo, "hi": hi,
-                "params": getattr(prepared, "params", None), "info": info}
+        return prepared, {"status": "ok", "err": err, "params": getattr(prepared, "params", None), "info": info}
+    except Exception as exc:  # a failure is data
+        return None, {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def with_times(result: dict, times: tuple[float, float, float]) -> dict:
+    med, lo, hi = times
+    return {**result, "us": med, "lo": lo, "hi": hi}
+
+
+def check_and_time(case: Case, adapter) -> dict:
+    """`check`, then `time_graph` alone."""
+    prepared, result = check(case, adapter)
+    if prepared is None:
+        return result
+    try:
+        return with_times(result, time_graph(prepared.run, case.sets))
     except Exception as exc:  # a failure is data
         return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
