@@ -131,6 +131,21 @@ def checked_step(case, adapter, *, switches: dict) -> tuple[object, dict]:
             return None, {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
+def time_entries(case, entries) -> dict:
+    """key -> result with times: every (key, adapter, switches) entry checked and captured (`checked_step`), then all
+    timed together (`triton_dev.time_steps`). The graphs are gone when this returns, so none outlives its shape's
+    inputs (`case.free()`)."""
+    steps, results = {}, {}
+    for key, adapter, switches in entries:
+        graph, results[key] = checked_step(case, adapter, switches=switches)
+        if graph is not None:
+            steps[key] = graph
+    for key, times in triton_dev.time_steps(steps).items():
+        results[key] = triton_dev.with_times(results[key], times)
+    torch.cuda.synchronize()
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="bf16,fp8_e4m3")
@@ -206,14 +221,7 @@ def main():
         if args.fa3:
             from mla_tune.backends.flashinfer_mla import FlashInferFA3, FlashInferFA3Sparse
             entries.append(("fa3", (FlashInferFA3Sparse if topk else FlashInferFA3)(), {}))
-        steps, results = {}, {}
-        for key, adapter, switches in entries:
-            step, results[key] = checked_step(case, adapter, switches=switches)
-            if step is not None:
-                steps[key] = step
-        for key, times in triton_dev.time_steps(steps).items():
-            results[key] = triton_dev.with_times(results[key], times)
-        del steps
+        results = time_entries(case, entries)
         base = results["tl"]
         log(fmt_line(case, "tl " + (base["params"].label() if base.get("params") else ""), base, roof))
         for key, _, _ in entries[1:]:
@@ -228,6 +236,7 @@ def main():
             label = r["params"].label() if r.get("params") else ""
             log(fmt_line(case, f"{names[key]} {label}", r, roof, tag))
         case.free()
+        torch.cuda.empty_cache()
     firsts = {}  # KV kind -> index of its first candidate, the reference of the "vs first" line
     for i, (kind, *_) in enumerate(cands):
         firsts.setdefault(kind, i)
