@@ -622,6 +622,24 @@ def test_gpu_sparse_128_heads_at_batch_4_takes_8_splits_and_matches_the_referenc
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("heads", [64, 128])
+def test_gpu_sparse_fp8_at_batch_64_takes_the_4_warp_launch_with_the_prefetch_and_matches_the_reference(heads):
+    # `HOPPER_KSPLIT_MIN_BATCH` (sparse FP8 from batch 64) and `L2_PREFETCH_FORMS` ("ksplit", "fp8", "sparse"): the
+    # launch the adapters' `default_params` picks, through the prefetching loader, top-k 2048 of 3000 tokens
+    from mla_tune.backends.triton_mla.launch import default_params, hopper_form
+
+    problem = _gpu_problem("fp8_e4m3", num_heads=heads, page_size=64, topk=2048)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    params = default_params(num_heads=heads, q_len=1, batch=64, max_items=2048, num_sms=sms, sparse=True,
+                            kv_fp8=True, lengths=[2048] * 64, cc_major=9)
+    form = hopper_form(params, kv_fp8=True, sparse=True, splits=params.num_splits)
+    assert params.num_warps == 4 and form["KSPLIT"] and form["L2_PREFETCH"], (params, form)
+    r = _run_case(problem, Shape(64, 3000), device="cuda", params=params)
+    assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol("fp8_e4m3") and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
 def test_gpu_hopper_runs_inside_a_cuda_graph():
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.reference import mla_reference
