@@ -272,8 +272,8 @@ HOPPER_TILES = {rows: HOPPER_TILE._replace(block_h=shape[0], num_warps=shape[2])
 # the wide form (4-warp launch 1.035-1.060x slower on an H200, ks-fp8-sparse-h200-call228.txt), but for batch 64 and
 # up since it runs with the L2 prefetch of the wide form's FP8 loader (`L2_PREFETCH_FORMS`): same process over the
 # wide form, 64 heads batch 64 / 128 0.979 / 0.980 and 128 heads 0.973 / 0.988 on an H100, 0.976 / 0.977 and 0.981 /
-# 0.971 on an H200; at batch 1-16 1.03-1.04 / 0.99-1.01 (H200; H100 batch 4 1.009-1.027)
-# (dev-timing-ab-h100-call230.txt, ks-fp8-sparse-{small-h200-call231,h200-call232}.txt).
+# 0.971 on an H200; at batch 1-4 1.01-1.04 and at 16 0.99-1.01 on both (dev-timing-ab-h100-call230.txt,
+# ks-fp8-sparse-{small-h200-call231,h200-call232}.txt, waves-fp8-small-h100-call235.txt).
 HOPPER_KSPLIT_TILE = Tile(*HOPPER_KSPLIT_SHAPE, False, 1, False, 128, warp_specialized=True)
 HOPPER_KSPLIT_MIN_BATCH = {("16bit", 64): (16, 1), ("16bit", 128): (4, 1), ("fp8", 64): (1, 64),
                            ("fp8", 128): (16, 64)}
