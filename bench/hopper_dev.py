@@ -128,7 +128,7 @@ def checked_step(case, adapter, *, switches: dict) -> tuple[object, dict]:
         try:
             return triton_dev.capture(prepared.run, case.sets), result
         except Exception as exc:  # a failure is data
-            return None, {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            return None, triton_dev.failed(exc)
 
 
 def time_entries(case, entries) -> dict:

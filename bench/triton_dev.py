@@ -107,6 +107,11 @@ class Case:
         self.ref = self.ref_lse = None
 
 
+def failed(exc: Exception) -> dict:
+    """The result of a kernel that raised (a failure is data: the run goes on)."""
+    return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
 def check(case: Case, adapter, *, verify: bool = True) -> tuple[object, dict]:
     """(prepared adapter or None, result without times): `adapter` prepared for `case`, run once and, with `verify`,
     checked against the float32 reference (hopper.py's measurement modes compute nothing meaningful: no check)."""
@@ -130,7 +135,7 @@ def check(case: Case, adapter, *, verify: bool = True) -> tuple[object, dict]:
                 info = f" regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared // 1024}K"
         return prepared, {"status": "ok", "err": err, "params": getattr(prepared, "params", None), "info": info}
     except Exception as exc:  # a failure is data
-        return None, {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        return None, failed(exc)
 
 
 def with_times(result: dict, times: tuple[float, float, float]) -> dict:
@@ -146,7 +151,7 @@ def check_and_time(case: Case, adapter) -> dict:
     try:
         return with_times(result, time_graph(prepared.run, case.sets))
     except Exception as exc:  # a failure is data
-        return {"status": "failed", "why": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        return failed(exc)
 
 
 # rows bucket (q_len x heads, rounded up) -> candidate (block_h, block_n, num_warps, num_stages), prior first
