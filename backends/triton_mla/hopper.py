@@ -104,6 +104,11 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. In production
 # (None): `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
+# Measurement only (bench/hopper_dev.py, round 59): True makes the wide forms' FP8 register loader load the next tile's
+# bytes (as 32-bit words) right after it stored the current one, so they are in flight while it waits for the next
+# slot (`_load_fp8_ahead`; round 16's FP8_AHEAD, before the 4-warp launch and the L2 prefetch). None in production:
+# off.
+LOADER_AHEAD = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -244,11 +249,62 @@ def _prefetch_rows(row, ok, kv_ptr):
 
 
 @gluon.jit
+def _load_words(row, ok, cols):
+    """One FP8 tile's rows as nine `[rows, 16]` int32 register chunks (four e4m3 values a word); zeros where invalid."""
+    ptrs = row[:, None] + cols[None, :]
+    mask = ok[:, None]
+    return (gl.load(ptrs, mask=mask, other=0), gl.load(ptrs + 16, mask=mask, other=0),
+            gl.load(ptrs + 32, mask=mask, other=0), gl.load(ptrs + 48, mask=mask, other=0),
+            gl.load(ptrs + 64, mask=mask, other=0), gl.load(ptrs + 80, mask=mask, other=0),
+            gl.load(ptrs + 96, mask=mask, other=0), gl.load(ptrs + 112, mask=mask, other=0),
+            gl.load(ptrs + 128, mask=mask, other=0))
+
+
+@gluon.jit
+def _words_to_fp16(w):
+    """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word."""
+    a, b, c, d = gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+    x = gl.join(gl.join(a, c), gl.join(b, d))  # join adds the last axis: [w, i, j] = (a, c)[i] then (b, d)[i]
+    return x.reshape(w.shape[0], 4 * w.shape[1])
+
+
+@gluon.jit
+def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
+                    k_lat, k_rope, full_bars, empty_bars,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
+                    DEBUG: gl.constexpr):
+    """`LOADER_AHEAD` (round 59): the FP8 register loader with the next tile's bytes in flight while it waits for
+    that tile's slot: loaded as 32-bit words (72 registers a thread) right after the current tile is stored."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+                         layout, BLOCK_N, PAGE_SIZE, SPARSE)
+    xs = _load_words(row, ok & (DEBUG != 2), cols)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
+                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        if DEBUG < 7:
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+        if DEBUG != 2:
+            for c in gl.static_range(8):
+                k_lat.index(slot).slice(c * 64, 64, dim=1).store(_words_to_fp16(xs[c]))
+            k_rope.index(slot).store(_words_to_fp16(xs[8]))
+            fence_async_shared()
+        mbarrier.arrive(full_bars.index(slot))
+        xs = _load_words(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols)
+
+
+@gluon.jit
 def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
                     KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -263,6 +319,11 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     call 48, bench/TRITON_NOTES.md round 16.) With `PREFETCH` (FP8, the forms in `launch.L2_PREFETCH_FORMS`) it asks
     the L2 for the next tile's lines (`_prefetch_rows`) before it waits for that tile's slot (round 35).
     """
+    if KV_FP8 and AHEAD:
+        gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
+        _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, k_lat, k_rope,
+                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG)
+        return
     if KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     else:
@@ -737,6 +798,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
+    LOADER_AHEAD: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -865,7 +927,7 @@ def _mla_hopper_kernel(
                                   FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -877,5 +939,5 @@ def _mla_hopper_kernel(
                               PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
             [LOAD_WARPS], [LOAD_REGS])

@@ -718,6 +718,9 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
 
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
+    # round 59 (measurement only): the wide forms' FP8 loader with the next tile in registers, at the same 96 registers
+    # (offline sm_90a, the 4-warp launch: 36 B spilled against 12; with 168 for the loader 414 B)
+    ahead = bool(_switched("LOADER_AHEAD", False)) and kv_fp8 and params.block_h >= HOPPER_SHAPE[0]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
@@ -728,7 +731,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=QK1_WORKER_REGS if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
-        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE))
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), LOADER_AHEAD=ahead)
 
 
 # Registers of the 4-warp launch's second MMA warpgroup (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and
