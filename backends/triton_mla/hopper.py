@@ -275,19 +275,23 @@ def _words_to_fp16(w):
 def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    DEBUG: gl.constexpr):
+                    DEBUG: gl.constexpr, PREFETCH: gl.constexpr):
     """`LOADER_AHEAD` (round 59): the FP8 register loader with the next tile's bytes in flight while it waits for
-    that tile's slot: loaded as 32-bit words (72 registers a thread) right after the current tile is stored."""
+    that tile's slot: loaded as 32-bit words (72 registers a thread) right after the current tile is stored; with
+    `PREFETCH`, the L2 asked for the tile after that (`_prefetch_rows`) once those loads are issued."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
     words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
     row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
     xs = _load_words(row, ok & (DEBUG != 2), cols)
+    row, ok = _tile_rows(start + BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+                         layout, BLOCK_N, PAGE_SIZE, SPARSE)  # the rows of tile t + 1 from here on
+    if PREFETCH and DEBUG != 2:
+        if n_tiles > 1:
+            _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)
     for t in range(n_tiles):
         slot = t % STAGES
-        row, ok = _tile_rows(start + (t + 1) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
-                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         if DEBUG < 7:
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if DEBUG != 2:
@@ -297,6 +301,11 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
         xs = _load_words(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols)
+        row, ok = _tile_rows(start + (t + 2) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
+                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+        if PREFETCH and DEBUG != 2:
+            if t + 2 < n_tiles:
+                _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)
 
 
 @gluon.jit
@@ -322,7 +331,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     if KV_FP8 and AHEAD:
         gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
         _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, k_lat, k_rope,
-                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG)
+                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG, PREFETCH)
         return
     if KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])

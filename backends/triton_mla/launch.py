@@ -718,9 +718,11 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
 
     load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
-    # round 59 (measurement only): the wide forms' FP8 loader with the next tile in registers, at the same 96 registers
-    # (offline sm_90a, the 4-warp launch: 36 B spilled against 12; with 168 for the loader 414 B)
+    # round 59 (measurement only): the wide forms' FP8 loader with the next tile in registers. At 96 registers its loop
+    # spilled loaded words, so it waited for its loads before the slot (call 244); offline sm_90a at 120 neither form
+    # spills (96: 76 B, 104: 40 B, 112: 8 B, 128: 8 B in the 4-warp launch)
     ahead = bool(_switched("LOADER_AHEAD", False)) and kv_fp8 and params.block_h >= HOPPER_SHAPE[0]
+    load_regs = 120 if ahead else load_regs
     writes_partials = splits > 1  # the outputs are partials the combine reads back
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
