@@ -11,7 +11,8 @@ different warps. Here they are different warps:
   invalid rows zero-filled) and signals each slot on an mbarrier. Row pointers are computed a tile
   ahead, so the block-table (and top-k) loads stay off its path. With an FP8 cache it loads the tile's
   e4m3 bytes into registers once the slot is free, casts them to fp16 and stores them, so the cast never
-  sits on the MMA warps' path (a staging ring for `cp.async` does not fit beside 64-token slots);
+  sits on the MMA warps' path (a staging ring for `cp.async` does not fit beside 64-token slots; the 4-warp
+  launch's sparse form loads the next tile's bytes while it waits for the slot, `_load_fp8_ahead`);
 - two MMA warpgroups (one 8-warp partition) hold the 64 query rows in shared memory and, per tile,
   compute the scores with `wgmma` (each warpgroup half the tile's tokens), the online softmax (the row max
   across both halves through shared memory; the row sums from p once it is in the `p @ v` operand
@@ -104,10 +105,9 @@ L2_PREFETCH = None
 # fenced its own stores (FP8: `st.shared`, then `fence.proxy.async`, then the arrival); True keeps it. In production
 # (None): `launch.HOPPER_CONSUMER_FENCE`.
 CONSUMER_FENCE = None
-# Measurement only (bench/hopper_dev.py, round 59): True makes the wide forms' FP8 register loader load the next tile's
-# bytes (as 32-bit words) right after it stored the current one, so they are in flight while it waits for the next
-# slot (`_load_fp8_ahead`; round 16's FP8_AHEAD, before the 4-warp launch and the L2 prefetch). None in production:
-# off.
+# Measurement only (bench/hopper_dev.py): True / False forces whether the wide forms' FP8 register loader loads the next
+# tile's bytes (as 32-bit words) right after it stored the current one, so they are in flight while it waits for the
+# next slot (`_load_fp8_ahead`, round 59). None in production: by form, `launch.LOADER_AHEAD_FORMS`.
 LOADER_AHEAD = None
 
 
@@ -276,9 +276,11 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
                     DEBUG: gl.constexpr, PREFETCH: gl.constexpr):
-    """`LOADER_AHEAD` (round 59): the FP8 register loader with the next tile's bytes in flight while it waits for
-    that tile's slot: loaded as 32-bit words (72 registers a thread) right after the current tile is stored; with
-    `PREFETCH`, the L2 asked for the tile after that (`_prefetch_rows`) once those loads are issued."""
+    """The FP8 register loader with the next tile's bytes in flight while it waits for that tile's slot (round 59, the
+    forms in `launch.LOADER_AHEAD_FORMS`): loaded as 32-bit words (72 registers a thread; as e4m3 bytes LLVM keeps
+    each byte in a register of its own) right after the current tile is stored; with `PREFETCH`, the L2 asked for the
+    tile after that (`_prefetch_rows`) once those loads are issued. It needs `launch.HOPPER_LOAD_REGS["fp8_ahead"]`:
+    with fewer registers its loop spills some of the loads' destinations and so waits for the loads before the slot."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
     words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
@@ -322,11 +324,10 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     once the slot is free the tile's e4m3 bytes are loaded into registers (16 bytes a thread, four threads
     a 64-byte row segment), all nine 64-column chunks first (Triton puts a barrier between the chunk
     stores, which would otherwise hold each chunk's load back until the previous chunk is stored), then
-    cast to fp16 and stored while the MMA warps work on the other slot. (Loading an FP8 tile ahead and
-    carrying the bytes across the loop makes LLVM keep every byte in a register of its own: 4.5 KB of
-    spills. Carried as 32-bit words it did not spill, but ran 1.7% slower, up to 11% at 64 heads: device
-    call 48, bench/TRITON_NOTES.md round 16.) With `PREFETCH` (FP8, the forms in `launch.L2_PREFETCH_FORMS`) it asks
-    the L2 for the next tile's lines (`_prefetch_rows`) before it waits for that tile's slot (round 35).
+    cast to fp16 and stored while the MMA warps work on the other slot. With `PREFETCH` (FP8, the forms in
+    `launch.L2_PREFETCH_FORMS`) it asks the L2 for the next tile's lines (`_prefetch_rows`) before it waits for that
+    tile's slot (round 35). With `AHEAD` (FP8, `launch.LOADER_AHEAD_FORMS`) the next tile's bytes are loaded before
+    the wait instead (`_load_fp8_ahead`).
     """
     if KV_FP8 and AHEAD:
         gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")

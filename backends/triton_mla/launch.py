@@ -44,7 +44,7 @@ HOPPER_SHAPES = {64: HOPPER_SHAPE, 32: (32, 64, 4, 2), 16: (16, 64, 4, 2)}
 HOPPER_KSPLIT_SHAPE = (64, 64, 4, 2)
 WARP_SPECIALIZED_SHAPES = (*HOPPER_SHAPES.values(), HOPPER_KSPLIT_SHAPE)  # every launch shape the kernel has
 HOPPER_MAXNREG = 168
-HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96}
+HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120}
 
 D_LATENT = 512
 D_ROPE = 64
@@ -696,6 +696,17 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("kspl
                      ("ksplit", "fp8", "sparse")}
 
 
+# The forms whose FP8 register loader loads the next tile's bytes (as 32-bit words) before it waits for that tile's slot
+# (`hopper._load_fp8_ahead`, round 59), with the L2 prefetch of the tile after. It needs 120 registers
+# (`HOPPER_LOAD_REGS["fp8_ahead"]`; offline sm_90a, neither wide form spills there: at 96 the 4-warp launch spilled 76 B,
+# 104 40 B, 112 8 B, 128 8 B, and at 96 some spilled registers were the loads' destinations, so it waited for its loads
+# before the slot: 1.19x slower, H100 call 244). Same process over the loader without it (round59b-h100-call245.txt,
+# round59b-sparse-{default,small}-h200-call246.txt): the sparse 4-warp launch (batch 64 and up) at 64 / 128 heads
+# 0.943-0.948 / 0.956-0.958 on an H100, 0.926-0.937 / 0.957-0.966 on an H200; the sparse wide form (batch 1-16)
+# 0.98-1.02, left as it is; dense 0.95 at 64 heads batch 4-16 but 1.02-1.12x slower at batch 64-128 (H100).
+LOADER_AHEAD_FORMS = {("ksplit", "fp8", "sparse")}
+
+
 # Whether the MMA warps fence an FP8 slot for wgmma after its barrier (16-bit slots, written by cp.async, always are).
 # The FP8 loaders fence their own stores before they arrive, so it repeats theirs, and with the loader ahead its fence
 # waited behind the loader's stores (call 135). Without it (round 36, H100 call 136, same-process A/B): dense FP8 128
@@ -716,16 +727,13 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     switches applied): what `_launch_hopper` launches and the offline compile tests build."""
     from mla_tune.backends.triton_mla import hopper
 
-    load_regs = HOPPER_LOAD_REGS["fp8" if kv_fp8 else "16bit"]
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
-    # round 59 (measurement only): the wide forms' FP8 loader with the next tile in registers. At 96 registers its loop
-    # spilled loaded words, so it waited for its loads before the slot (call 244); offline sm_90a at 120 neither form
-    # spills (96: 76 B, 104: 40 B, 112: 8 B, 128: 8 B in the 4-warp launch)
-    ahead = bool(_switched("LOADER_AHEAD", False)) and kv_fp8 and params.block_h >= HOPPER_SHAPE[0]
-    load_regs = 120 if ahead else load_regs
     writes_partials = splits > 1  # the outputs are partials the combine reads back
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
+    ahead = bool(_switched("LOADER_AHEAD", form in LOADER_AHEAD_FORMS)) and form[:2] in (("wide", "fp8"),
+                                                                                        ("ksplit", "fp8"))
+    load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
         STAGED_LOADERS=_switched("STAGED_LOADERS", staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse)),

@@ -369,6 +369,43 @@ def test_the_fp8_register_loader_can_prefetch_the_next_tile_into_l2(kv, sparse, 
     assert _spill_bytes(report_on) <= _spill_bytes(report_off) + 16, (report_off, report_on)
 
 
+@pytest.mark.parametrize("ksplit,sparse", [(True, True), (True, False), (False, True)])
+def test_the_loader_ahead_holds_the_next_tile_as_words_without_spilling(monkeypatch, ksplit, sparse):
+    # LOADER_AHEAD (round 59): the next tile's 18 16-byte loads a thread are issued before the loop and again after each
+    # tile's stores, and cast from 32-bit words. At HOPPER_LOAD_REGS["fp8_ahead"] (Triton 3.7.1) dense spills nothing
+    # and sparse 28 B (scalars; the loader loop reloads one before the slot wait), against 68-136 B at 96 registers,
+    # where the loop spilled some of the loads' destinations and so waited for them before the slot (H100 call 244)
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla import hopper
+    from mla_tune.backends.triton_mla.launch import HOPPER_LOAD_REGS
+
+    kw = dict(kv="fp8", sparse=sparse, page_size=1 if sparse else 64, ksplit=ksplit)
+    monkeypatch.setattr(hopper, "LOADER_AHEAD", False)
+    off, _, _ = hopper_compile(**kw)
+    monkeypatch.setattr(hopper, "LOADER_AHEAD", True)
+    on, _, report = hopper_compile(**kw)
+    assert re.search(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{HOPPER_LOAD_REGS['fp8_ahead']};", on)
+    assert on.count("ld.global.v4") == off.count("ld.global.v4") + 18
+    assert on.count("cvt.rn.f16x2.e4m3x2") == off.count("cvt.rn.f16x2.e4m3x2")
+    assert _spill_bytes(report) <= (32 if sparse else 0), report
+
+
+@pytest.mark.parametrize("heads,sparse,batch,ahead", [
+    (64, True, 64, True), (128, True, 128, True),      # sparse FP8 on the 4-warp launch: 0.93-0.97 of the time
+    (64, True, 4, False), (128, True, 16, False),      # the sparse wide form: 0.98-1.02, left
+    (64, False, 128, False), (64, False, 4, False),    # dense: 1.02-1.12x slower at batch 64-128
+    (16, True, 128, False)])                           # the narrow form has its own (staged) loader
+def test_launch_gives_the_loader_ahead_to_the_sparse_fp8_4_warp_launch_only(heads, sparse, batch, ahead):
+    from mla_tune.backends.triton_mla.launch import HOPPER_LOAD_REGS, default_params, hopper_form
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=True,
+                            cc_major=9, num_sms=132, lengths=[4096] * batch)
+    form = hopper_form(params, kv_fp8=True, sparse=sparse, splits=params.num_splits)
+    assert form["LOADER_AHEAD"] is ahead, (params.label(), form)
+    assert form["LOAD_REGS"] == HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8"], form
+
+
 @pytest.mark.parametrize("kv,rows,ksplit", [("fp8", 64, False), ("fp8", 16, False), ("fp8", 64, True),
                                              ("bf16", 64, False), ("bf16", 32, False)])
 def test_fp8_slots_are_fenced_by_their_loader_and_16bit_ones_by_the_mma_warps(kv, rows, ksplit):
@@ -624,8 +661,9 @@ def test_gpu_sparse_128_heads_at_batch_4_takes_8_splits_and_matches_the_referenc
 @hopper_only
 @pytest.mark.parametrize("heads", [64, 128])
 def test_gpu_sparse_fp8_at_batch_64_takes_the_4_warp_launch_with_the_prefetch_and_matches_the_reference(heads):
-    # `HOPPER_KSPLIT_MIN_BATCH` (sparse FP8 from batch 64) and `L2_PREFETCH_FORMS` ("ksplit", "fp8", "sparse"): the
-    # launch the adapters' `default_params` picks, through the prefetching loader, top-k 2048 of 3000 tokens
+    # `HOPPER_KSPLIT_MIN_BATCH` (sparse FP8 from batch 64), `L2_PREFETCH_FORMS` and `LOADER_AHEAD_FORMS` ("ksplit",
+    # "fp8", "sparse"): the launch the adapters' `default_params` picks, through the loader that keeps the next tile in
+    # registers and prefetches the one after, top-k 2048 of 3000 tokens
     from mla_tune.backends.triton_mla.launch import default_params, hopper_form
 
     problem = _gpu_problem("fp8_e4m3", num_heads=heads, page_size=64, topk=2048)
@@ -633,7 +671,7 @@ def test_gpu_sparse_fp8_at_batch_64_takes_the_4_warp_launch_with_the_prefetch_an
     params = default_params(num_heads=heads, q_len=1, batch=64, max_items=2048, num_sms=sms, sparse=True,
                             kv_fp8=True, lengths=[2048] * 64, cc_major=9)
     form = hopper_form(params, kv_fp8=True, sparse=True, splits=params.num_splits)
-    assert params.num_warps == 4 and form["KSPLIT"] and form["L2_PREFETCH"], (params, form)
+    assert params.num_warps == 4 and form["KSPLIT"] and form["L2_PREFETCH"] and form["LOADER_AHEAD"], (params, form)
     r = _run_case(problem, Shape(64, 3000), device="cuda", params=params)
     assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol("fp8_e4m3") and r["lse_err"] < 1e-2, r
 
