@@ -1,5 +1,5 @@
 """Warp-stall samples of a source-level Nsight Compute report (`REPORT=source bash bench/ncu_ab.sh`), by partition of
-the warp-specialised Hopper kernel, by instruction and (MMA partitions) by opcode.
+the warp-specialised Hopper kernel, by instruction and by opcode (MMA and loader partitions).
 
 The SASS of a partition runs from one `USETMAXREG` (its register reallocation) to the next; a partition with HGMMA
 instructions is an MMA one, one with F2FP (the FP8 casts) or LDGSTS (`cp.async`) a loader.
@@ -66,10 +66,10 @@ def summarize(path: str, top: int) -> list[str]:
         reasons = sorted(((v, k) for k, v in total.items() if not k.startswith("(")), reverse=True)[:7]
         lines.append(f"  partition {part} {kinds[part]:6s} samples {total['(samples)']:8.0f} instructions "
                      f"{total['(instructions)']:11.0f}  " + ", ".join(f"{k} {v:.0f}" for v, k in reasons))
-    for part in sorted(p for p, kind in kinds.items() if kind == "MMA"):
+    for part in sorted(p for p, kind in kinds.items() if kind != "other" and totals[p]["(samples)"] >= 50):
         hot = sorted(((number(row[SAMPLES]), row) for p, row in zip(parts, rows) if p == part),
                      key=lambda item: item[0], reverse=True)[:top]
-        lines.append(f"  partition {part} MMA, its {top} most sampled instructions:")
+        lines.append(f"  partition {part} {kinds[part]}, its {top} most sampled instructions:")
         for samples, row in hot:
             reason = max(stalls, key=lambda name: number(row[name]))[6:] if stalls else ""
             lines.append(f"    {samples:6.0f}  {row['Address']:>6s}  {row['Source'][:70]:70s}  mostly {reason}")
@@ -77,7 +77,7 @@ def summarize(path: str, top: int) -> list[str]:
         for p, row in zip(parts, rows):
             if p == part:
                 by_opcode[opcode(row["Source"])] += number(row[SAMPLES])
-        lines.append(f"  partition {part} MMA, samples by opcode: "
+        lines.append(f"  partition {part} {kinds[part]}, samples by opcode: "
                      + ", ".join(f"{op} {v:.0f}" for op, v in by_opcode.most_common(top)))
     return lines
 

@@ -70,10 +70,14 @@ def test_ncu_partitions_splits_at_register_reallocations(tmp_path):
     lines = load("ncu_partitions").summarize(str(report), top=2)
     assert lines[1].startswith("  partition 1 LOADER samples       61 instructions        3072  long_sb 53")
     assert lines[2].startswith("  partition 2 MMA    samples     1001 instructions        4096  barrier 885")
-    assert lines[3] == "  partition 2 MMA, its 2 most sampled instructions:"
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in lines[4] and lines[4].endswith("mostly barrier")
-    assert "BRA 0x2000" in lines[5] and lines[5].endswith("mostly long_sb")
-    assert lines[6] == "  partition 2 MMA, samples by opcode: WARPGROUP 900, BRA 70"
+    assert lines[3] == "  partition 1 LOADER, its 2 most sampled instructions:"
+    assert "F2FP.F16.E4M3.UNPACK_B R8, R4" in lines[4] and lines[4].endswith("mostly long_sb")
+    assert "LDG.E.128" in lines[5]
+    assert lines[6] == "  partition 1 LOADER, samples by opcode: F2FP 40, LDG 20"
+    assert lines[7] == "  partition 2 MMA, its 2 most sampled instructions:"
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in lines[8] and lines[8].endswith("mostly barrier")
+    assert "BRA 0x2000" in lines[9] and lines[9].endswith("mostly long_sb")
+    assert lines[10] == "  partition 2 MMA, samples by opcode: WARPGROUP 900, BRA 70"
 
 
 def test_ncu_partitions_refuses_a_report_that_is_not_source_level(tmp_path):
