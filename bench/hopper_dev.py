@@ -64,9 +64,7 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cf0qc": {"CONSUMER_FENCE": False, "QUERY_IN_CONSUMER": True},
             "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
             "ahead": {"LOADER_AHEAD": True}, "aheadpf0": {"LOADER_AHEAD": True, "L2_PREFETCH": False},
-            "ahead0": {"LOADER_AHEAD": False}, "aheadpf1": {"LOADER_AHEAD": True, "L2_PREFETCH": True},
-            "ahead2": {"LOADER_AHEAD": True, "STAGED_LOADERS": 2},
-            "ahead2pf1": {"LOADER_AHEAD": True, "STAGED_LOADERS": 2, "L2_PREFETCH": True}}
+            "ahead0": {"LOADER_AHEAD": False}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU

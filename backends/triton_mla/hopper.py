@@ -275,25 +275,24 @@ def _words_to_fp16(w):
 def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    DEBUG: gl.constexpr, PREFETCH: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
+                    DEBUG: gl.constexpr, PREFETCH: gl.constexpr):
     """The FP8 register loader with the next tile's bytes in flight while it waits for that tile's slot (round 59, the
     forms in `launch.LOADER_AHEAD_FORMS`): loaded as 32-bit words (72 registers a thread; as e4m3 bytes LLVM keeps
     each byte in a register of its own) right after the current tile is stored; with `PREFETCH`, the L2 asked for the
     tile after that (`_prefetch_rows`) once those loads are issued. It needs `launch.HOPPER_LOAD_REGS["fp8_ahead"]`:
-    with fewer registers its loop spills some of the loads' destinations and so waits for the loads before the slot.
-    Tiles `FIRST, FIRST + STRIDE, ...`, as in `_load_partition`."""
+    with fewer registers its loop spills some of the loads' destinations and so waits for the loads before the slot."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
     words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(start + FIRST * BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4,
-                         stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+                         layout, BLOCK_N, PAGE_SIZE, SPARSE)
     xs = _load_words(row, ok & (DEBUG != 2), cols)
-    row, ok = _tile_rows(start + (FIRST + STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4,
-                         stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)  # the rows of tile t + STRIDE from here
+    row, ok = _tile_rows(start + BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+                         layout, BLOCK_N, PAGE_SIZE, SPARSE)  # the rows of tile t + 1 from here on
     if PREFETCH and DEBUG != 2:
-        if FIRST + STRIDE < n_tiles:
+        if n_tiles > 1:
             _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)
-    for t in range(FIRST, n_tiles, STRIDE):
+    for t in range(n_tiles):
         slot = t % STAGES
         if DEBUG < 7:
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
@@ -303,11 +302,11 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             k_rope.index(slot).store(_words_to_fp16(xs[8]))
             fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
-        xs = _load_words(row, ok & (DEBUG != 2) & (t + STRIDE < n_tiles), cols)
-        row, ok = _tile_rows(start + (t + 2 * STRIDE) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
+        xs = _load_words(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols)
+        row, ok = _tile_rows(start + (t + 2) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
                              stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         if PREFETCH and DEBUG != 2:
-            if t + 2 * STRIDE < n_tiles:
+            if t + 2 < n_tiles:
                 _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)
 
 
@@ -331,8 +330,9 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     the wait instead (`_load_fp8_ahead`).
     """
     if KV_FP8 and AHEAD:
+        gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
         _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, k_lat, k_rope,
-                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG, PREFETCH, FIRST, STRIDE)
+                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG, PREFETCH)
         return
     if KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
@@ -851,14 +851,14 @@ def _mla_hopper_kernel(
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # BF16: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS and not LOADER_AHEAD else 1)
-                      if KV_FP8 else LOAD_WARPS * 32)
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                      else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2 if KSPLIT else 1)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     if N_ROWS < ROWS:  # the narrow form: p^T for `o^T = v^T p^T`, and (FP8) the staging ring of two half tiles
         p_smem = gl.allocate_shared_memory(mma_dtype, [N_ROWS, BLOCK_N], smem_layout)
-        if KV_FP8 and not LOADER_AHEAD:
+        if KV_FP8:
             stage = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [18, BLOCK_N // 2, 64],
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
@@ -871,36 +871,7 @@ def _mla_hopper_kernel(
                      or (KSPLIT and DEBUG >= 10 and DEBUG <= 11) or (not NARROW and DEBUG == 12),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
     LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG >= 10 else DEBUG
-    if N_ROWS < ROWS and KV_FP8 and LOADER_AHEAD and STAGED_LOADERS == 2:
-        # (measurement, round 60) the narrow form with two register loaders a tile ahead, alternate tiles each
-        gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 2, L2_PREFETCH, True)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 1, 2, L2_PREFETCH, True))],
-            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
-    elif N_ROWS < ROWS and KV_FP8 and LOADER_AHEAD:
-        # (measurement, round 60) the narrow form with one register loader a tile ahead
-        gl.warp_specialize([
-            (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
-                                     topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
-                                     qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb,
-                                     stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
-                                     N_ROWS, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, KV_FP8, QUERY_IN_CONSUMER,
-                                     FENCE_SLOTS, PARTIAL_EVICT_LAST)),
-            (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
-                               k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH, True))],
-            [LOAD_WARPS], [LOAD_REGS])
-    elif N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
+    if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
         gl.warp_specialize([
             (_mma_partition_narrow, (q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty_bars, o_ptr, lse_ptr,
                                      topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,

@@ -731,7 +731,8 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
     writes_partials = splits > 1  # the outputs are partials the combine reads back
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
-    ahead = bool(_switched("LOADER_AHEAD", form in LOADER_AHEAD_FORMS)) and kv_fp8
+    ahead = bool(_switched("LOADER_AHEAD", form in LOADER_AHEAD_FORMS)) and form[:2] in (("wide", "fp8"),
+                                                                                        ("ksplit", "fp8"))
     load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,
