@@ -198,15 +198,16 @@ def _copy_tile(dst_lat, dst_rope, row, ok, layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_chunks(row, ok, cols):
-    """One tile's rows as nine `[rows, 64]` register chunks (eight latent, one rope); zeros where invalid."""
+def _load_chunks(row, ok, cols, STEP: gl.constexpr = 64):
+    """One tile's rows as nine `[rows, STEP]` register chunks (eight latent, one rope), `STEP` elements of the row
+    apart: 64 for e4m3 values, 16 for them as 32-bit words (`_load_fp8_ahead`); zeros where invalid."""
     ptrs = row[:, None] + cols[None, :]
     mask = ok[:, None]
-    return (gl.load(ptrs, mask=mask, other=0.0), gl.load(ptrs + 64, mask=mask, other=0.0),
-            gl.load(ptrs + 128, mask=mask, other=0.0), gl.load(ptrs + 192, mask=mask, other=0.0),
-            gl.load(ptrs + 256, mask=mask, other=0.0), gl.load(ptrs + 320, mask=mask, other=0.0),
-            gl.load(ptrs + 384, mask=mask, other=0.0), gl.load(ptrs + 448, mask=mask, other=0.0),
-            gl.load(ptrs + 512, mask=mask, other=0.0))
+    return (gl.load(ptrs, mask=mask, other=0.0), gl.load(ptrs + STEP, mask=mask, other=0.0),
+            gl.load(ptrs + 2 * STEP, mask=mask, other=0.0), gl.load(ptrs + 3 * STEP, mask=mask, other=0.0),
+            gl.load(ptrs + 4 * STEP, mask=mask, other=0.0), gl.load(ptrs + 5 * STEP, mask=mask, other=0.0),
+            gl.load(ptrs + 6 * STEP, mask=mask, other=0.0), gl.load(ptrs + 7 * STEP, mask=mask, other=0.0),
+            gl.load(ptrs + 8 * STEP, mask=mask, other=0.0))
 
 
 @gluon.jit
@@ -249,18 +250,6 @@ def _prefetch_rows(row, ok, kv_ptr):
 
 
 @gluon.jit
-def _load_words(row, ok, cols):
-    """One FP8 tile's rows as nine `[rows, 16]` int32 register chunks (four e4m3 values a word); zeros where invalid."""
-    ptrs = row[:, None] + cols[None, :]
-    mask = ok[:, None]
-    return (gl.load(ptrs, mask=mask, other=0), gl.load(ptrs + 16, mask=mask, other=0),
-            gl.load(ptrs + 32, mask=mask, other=0), gl.load(ptrs + 48, mask=mask, other=0),
-            gl.load(ptrs + 64, mask=mask, other=0), gl.load(ptrs + 80, mask=mask, other=0),
-            gl.load(ptrs + 96, mask=mask, other=0), gl.load(ptrs + 112, mask=mask, other=0),
-            gl.load(ptrs + 128, mask=mask, other=0))
-
-
-@gluon.jit
 def _words_to_fp16(w):
     """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word."""
     a, b, c, d = gl.inline_asm_elementwise(
@@ -286,7 +275,7 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
     row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
-    xs = _load_words(row, ok & (DEBUG != 2), cols)
+    xs = _load_chunks(row, ok & (DEBUG != 2), cols, 16)
     row, ok = _tile_rows(start + BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)  # the rows of tile t + 1 from here on
     if PREFETCH and DEBUG != 2:
@@ -302,7 +291,7 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             k_rope.index(slot).store(_words_to_fp16(xs[8]))
             fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
-        xs = _load_words(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols)
+        xs = _load_chunks(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols, 16)
         row, ok = _tile_rows(start + (t + 2) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
                              stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         if PREFETCH and DEBUG != 2:
