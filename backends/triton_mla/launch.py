@@ -698,12 +698,15 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("kspl
 
 # The forms whose FP8 register loader loads the next tile's bytes (as 32-bit words) before it waits for that tile's slot
 # (`hopper._load_fp8_ahead`, round 59), with the L2 prefetch of the tile after. It needs 120 registers
-# (`HOPPER_LOAD_REGS["fp8_ahead"]`; offline sm_90a, neither wide form spills there: at 96 the 4-warp launch spilled 76 B,
-# 104 40 B, 112 8 B, 128 8 B, and at 96 some spilled registers were the loads' destinations, so it waited for its loads
-# before the slot: 1.19x slower, H100 call 244). Same process over the loader without it (round59b-h100-call245.txt,
-# round59b-sparse-{default,small}-h200-call246.txt): the sparse 4-warp launch (batch 64 and up) at 64 / 128 heads
-# 0.943-0.948 / 0.956-0.958 on an H100, 0.926-0.937 / 0.957-0.966 on an H200; the sparse wide form (batch 1-16)
-# 0.98-1.02, left as it is; dense 0.95 at 64 heads batch 4-16 but 1.02-1.12x slower at batch 64-128 (H100).
+# (`HOPPER_LOAD_REGS["fp8_ahead"]`; offline sm_90a, neither wide form spills there: at 96 the 4-warp launch spilled
+# 76 B, 104 40 B, 112 8 B, 128 8 B, and at 96 some spilled registers were the loads' destinations, so it waited for
+# its loads before the slot: 1.19x slower, H100 call 244). Same process over the loader without it
+# (round59b-h100-call245.txt, round59b-sparse-{default,small}-h200-call246.txt): the sparse 4-warp launch (batch 64 and
+# up) at 64 / 128 heads 0.943-0.948 / 0.956-0.958 on an H100, 0.926-0.937 / 0.957-0.966 on an H200; the sparse wide
+# form (batch 1-16) 0.98-1.02, left as it is; dense 1.02-1.12x slower at batch 64-128 (H100; SM-bound, both sides wait
+# longer, ncu-ahead-h100-call250.txt), 0.95-0.96 at 64 heads with 8 tiles a program but 0.99-1.00 at 128 heads
+# (ahead-short-*-call25{2,3}.txt), so dense stays without it. The narrow forms keep their staged loaders (the same
+# loader there, round 60: 1.04-1.19x slower, round60-narrow-h100-call251.txt).
 LOADER_AHEAD_FORMS = {("ksplit", "fp8", "sparse")}
 
 

@@ -7,6 +7,7 @@ import csv
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from bench_scripts import BENCH, load
 
