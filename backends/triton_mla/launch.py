@@ -635,7 +635,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr)
     if params.warp_specialized:
-        compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params)
+        compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params,
+                                  tiles=triton.cdiv(split_items, params.block_n))
     else:
         compiled = _mla_split_kernel[grid](
             *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,
@@ -658,14 +659,14 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     return compiled
 
 
-def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams):
-    """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`)."""
+def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams, tiles: int):
+    """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`); `tiles`: the most KV tiles a program has."""
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
     from mla_tune.backends.triton_mla import hopper
 
     form = hopper_form(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
-                       splits=grid[2])
+                       splits=grid[2], tiles=tiles)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
 
@@ -705,9 +706,11 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("kspl
 # up) at 64 / 128 heads 0.943-0.948 / 0.956-0.958 on an H100, 0.926-0.937 / 0.957-0.966 on an H200; the sparse wide
 # form (batch 1-16) 0.98-1.02, left as it is; dense 1.02-1.12x slower at batch 64-128 (H100; SM-bound, both sides wait
 # longer, ncu-ahead-h100-call250.txt), 0.95-0.96 at 64 heads with 8 tiles a program but 0.99-1.00 at 128 heads
-# (ahead-short-*-call25{2,3}.txt), so dense stays without it. The narrow forms keep their staged loaders (the same
-# loader there, round 60: 1.04-1.19x slower, round60-narrow-h100-call251.txt).
-LOADER_AHEAD_FORMS = {("ksplit", "fp8", "sparse")}
+# (ahead-short-*-call25{2,3}.txt), so dense takes it only for programs of at most 8 tiles: the 4-warp launch at 64
+# heads 0.950-0.963 at 8 tiles and 0.984-1.000 at 2-4, at 128 heads 0.990-1.003 at 4-8 tiles, against 1.03-1.09 from
+# 16 tiles (H100, same process). The narrow forms keep their staged loaders (the same loader there, round 60:
+# 1.04-1.19x slower, round60-narrow-h100-call251.txt). Form -> the most tiles a program may have (None: any).
+LOADER_AHEAD_FORMS = {("ksplit", "fp8", "sparse"): None, ("ksplit", "fp8", "dense"): 8}
 
 
 # Whether the MMA warps fence an FP8 slot for wgmma after its barrier (16-bit slots, written by cp.async, always are).
@@ -725,17 +728,19 @@ def _switched(name: str, default):
     return default if forced is None else forced
 
 
-def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int) -> dict:
+def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None) -> dict:
     """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
-    switches applied): what `_launch_hopper` launches and the offline compile tests build."""
+    switches applied): what `_launch_hopper` launches and the offline compile tests build. `tiles`: the most KV tiles
+    a program has (None: not known, as for an offline compile)."""
     from mla_tune.backends.triton_mla import hopper
 
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
     writes_partials = splits > 1  # the outputs are partials the combine reads back
     form = ("ksplit" if ksplit else "narrow" if params.block_h < HOPPER_SHAPE[0] else "wide",
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
-    ahead = bool(_switched("LOADER_AHEAD", form in LOADER_AHEAD_FORMS)) and form[:2] in (("wide", "fp8"),
-                                                                                        ("ksplit", "fp8"))
+    max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
+    by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
+    ahead = bool(_switched("LOADER_AHEAD", by_form)) and form[:2] in (("wide", "fp8"), ("ksplit", "fp8"))
     load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,

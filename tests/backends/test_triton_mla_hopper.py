@@ -246,7 +246,8 @@ def test_launch_hints_the_partials_only_where_there_are_splits(monkeypatch):
     kv = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     params = launch.LaunchParams(**launch._launch_fields(launch.HOPPER_TILE))
     for splits in (1, 2, 8):
-        launch._launch_hopper((), (1, 1, splits), {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params)
+        launch._launch_hopper((), (1, 1, splits), {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params,
+                              tiles=4)
     assert seen == [(1, False), (2, True), (8, True)]
 
 
@@ -391,19 +392,24 @@ def test_the_loader_ahead_holds_the_next_tile_as_words_without_spilling(monkeypa
     assert _spill_bytes(report) <= (32 if sparse else 0), report
 
 
-@pytest.mark.parametrize("heads,sparse,batch,ahead", [
-    (64, True, 64, True), (128, True, 128, True),      # sparse FP8 on the 4-warp launch: 0.93-0.97 of the time
-    (64, True, 4, False), (128, True, 16, False),      # the sparse wide form: 0.98-1.02, left
-    (64, False, 128, False), (64, False, 4, False),    # dense: 1.02-1.12x slower at batch 64-128
-    (16, True, 128, False)])                           # the narrow form has its own (staged) loader
-def test_launch_gives_the_loader_ahead_to_the_sparse_fp8_4_warp_launch_only(heads, sparse, batch, ahead):
+@pytest.mark.parametrize("heads,sparse,batch,kv_len,ahead", [
+    (64, True, 64, 4096, True), (128, True, 128, 4096, True),    # sparse FP8 on the 4-warp launch: 0.93-0.97
+    (64, True, 4, 4096, False), (128, True, 16, 4096, False),    # the sparse wide form: 0.98-1.02, left
+    (64, False, 4, 16384, True), (64, False, 16, 4096, True),    # dense, 8 tiles a program: 0.95-0.96
+    (64, False, 16, 16384, False), (64, False, 128, 16384, False),  # dense, 32 / 256 tiles: 1.03 / 1.08
+    (16, True, 128, 4096, False)])                               # the narrow form has its own (staged) loader
+def test_launch_gives_the_loader_ahead_to_sparse_and_short_dense_fp8_4_warp_programs(heads, sparse, batch, kv_len,
+                                                                                    ahead):
     from mla_tune.backends.triton_mla.launch import HOPPER_LOAD_REGS, default_params, hopper_form
 
-    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=True,
-                            cc_major=9, num_sms=132, lengths=[4096] * batch)
-    form = hopper_form(params, kv_fp8=True, sparse=sparse, splits=params.num_splits)
-    assert form["LOADER_AHEAD"] is ahead, (params.label(), form)
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=kv_len, sparse=sparse, kv_fp8=True,
+                            cc_major=9, num_sms=132, lengths=[kv_len] * batch)
+    tiles = -(-params.split_items // params.block_n)  # as `launch.launch` gives it
+    form = hopper_form(params, kv_fp8=True, sparse=sparse, splits=params.num_splits, tiles=tiles)
+    assert form["LOADER_AHEAD"] is ahead, (params.label(), tiles, form)
     assert form["LOAD_REGS"] == HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8"], form
+    if not sparse:  # without the tile count (an offline compile) dense never takes it
+        assert not hopper_form(params, kv_fp8=True, sparse=False, splits=params.num_splits)["LOADER_AHEAD"]
 
 
 @pytest.mark.parametrize("kv,rows,ksplit", [("fp8", 64, False), ("fp8", 16, False), ("fp8", 64, True),
