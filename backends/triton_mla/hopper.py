@@ -12,7 +12,8 @@ different warps. Here they are different warps:
   ahead, so the block-table (and top-k) loads stay off its path. With an FP8 cache it loads the tile's
   e4m3 bytes into registers once the slot is free, casts them to fp16 and stores them, so the cast never
   sits on the MMA warps' path (a staging ring for `cp.async` does not fit beside 64-token slots; the 4-warp
-  launch's sparse form loads the next tile's bytes while it waits for the slot, `_load_fp8_ahead`);
+  launch's sparse form, and its dense one for short programs, loads the next tile's bytes while it waits for the
+  slot, `_load_fp8_ahead`);
 - two MMA warpgroups (one 8-warp partition) hold the 64 query rows in shared memory and, per tile,
   compute the scores with `wgmma` (each warpgroup half the tile's tokens), the online softmax (the row max
   across both halves through shared memory; the row sums from p once it is in the `p @ v` operand
