@@ -709,7 +709,7 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("kspl
 # (ahead-short-*-call25{2,3}.txt), so dense takes it only for programs of at most 8 tiles: the 4-warp launch at 64
 # heads 0.950-0.963 at 8 tiles and 0.984-1.000 at 2-4, at 128 heads 0.990-1.003 at 4-8 tiles, against 1.03-1.09 from
 # 16 tiles (H100, same process); in the grids 0.944-0.946 (H100, call 256) and 0.969-0.986 (H200, call 257) at the
-# three shapes that take it. The narrow forms keep their staged loaders (the same loader there, round 60:
+# three 8-tile shapes, 0.98-1.00 at the five of 2-4 tiles. The narrow forms keep their staged loaders (the same loader there, round 60:
 # 1.04-1.19x slower, round60-narrow-h100-call251.txt). Form -> the most tiles a program may have (None: any).
 LOADER_AHEAD_FORMS = {("ksplit", "fp8", "sparse"): None, ("ksplit", "fp8", "dense"): 8}
 
