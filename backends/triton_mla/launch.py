@@ -659,6 +659,14 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     return compiled
 
 
+def kv_cache_in_words(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` can be read as 32-bit words: its base address and page and token strides in bytes are
+    multiples of 4 (a view with an odd row stride is not; `hopper._load_fp8_ahead` divides the strides by 4)."""
+    size = kv_cache.element_size()
+    return (kv_cache.data_ptr() % 4 == 0 and (kv_cache.stride(0) * size) % 4 == 0
+            and (kv_cache.stride(1) * size) % 4 == 0)
+
+
 def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams, tiles: int):
     """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`); `tiles`: the most KV tiles a program has."""
     if not q.is_cuda:
@@ -666,7 +674,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     form = hopper_form(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
-                       splits=grid[2], tiles=tiles)
+                       splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache))
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
 
@@ -698,19 +706,16 @@ L2_PREFETCH_FORMS = {("wide", "fp8", "sparse"), ("wide", "fp8", "dense"), ("kspl
 
 
 # The forms whose FP8 register loader loads the next tile's bytes (as 32-bit words) before it waits for that tile's slot
-# (`hopper._load_fp8_ahead`, round 59), with the L2 prefetch of the tile after. It needs 120 registers
-# (`HOPPER_LOAD_REGS["fp8_ahead"]`; offline sm_90a, neither wide form spills there: at 96 the 4-warp launch spilled
-# 76 B, 104 40 B, 112 8 B, 128 8 B, and at 96 some spilled registers were the loads' destinations, so it waited for
-# its loads before the slot: 1.19x slower, H100 call 244). Same process over the loader without it
-# (round59b-h100-call245.txt, round59b-sparse-{default,small}-h200-call246.txt): the sparse 4-warp launch (batch 64 and
-# up) at 64 / 128 heads 0.943-0.948 / 0.956-0.958 on an H100, 0.926-0.937 / 0.957-0.966 on an H200; the sparse wide
-# form (batch 1-16) 0.98-1.02, left as it is; dense 1.02-1.12x slower at batch 64-128 (H100; SM-bound, both sides wait
-# longer, ncu-ahead-h100-call250.txt), 0.95-0.96 at 64 heads with 8 tiles a program but 0.99-1.00 at 128 heads
-# (ahead-short-*-call25{2,3}.txt), so dense takes it only for programs of at most 8 tiles: the 4-warp launch at 64
-# heads 0.950-0.963 at 8 tiles and 0.984-1.000 at 2-4, at 128 heads 0.990-1.003 at 4-8 tiles, against 1.03-1.09 from
-# 16 tiles (H100, same process); in the grids 0.944-0.946 (H100, call 256) and 0.969-0.986 (H200, call 257) at the
-# three 8-tile shapes, 0.98-1.00 at the five of 2-4 tiles. The narrow forms keep their staged loaders (the same loader there, round 60:
-# 1.04-1.19x slower, round60-narrow-h100-call251.txt). Form -> the most tiles a program may have (None: any).
+# (`hopper._load_fp8_ahead`, round 59), with the L2 prefetch of the tile after; form -> the most tiles a program may
+# have (None: any). It needs 120 registers (`HOPPER_LOAD_REGS["fp8_ahead"]`): at 96 the loop spilled some of its
+# loads' destinations, so it waited for its loads before the slot (1.19x slower, H100 call 244); offline sm_90a at
+# 120 neither wide form spills. Same process over the loader without it (H100 calls 245, 252-253; H200 call 246):
+# - the sparse 4-warp launch (batch 64 and up): 0.943-0.958 (H100), 0.926-0.966 (H200);
+# - the sparse wide form (batch 1-16): 0.98-1.02, so left;
+# - the dense 4-warp launch, by tiles a program: 8 tiles 0.950-0.963 at 64 heads, 2-4 tiles 0.98-1.00, 128 heads at
+#   4-8 tiles 0.99-1.00; from 16 tiles 1.02-1.12 (SM-bound, both sides wait longer: ncu-ahead-h100-call250.txt).
+#   In the grids the three 8-tile shapes took 0.944-0.946 (H100, call 256) and 0.969-0.986 (H200, call 257).
+# The narrow forms keep their staged loaders (this loader there, round 60: 1.04-1.19x slower, call 251).
 LOADER_AHEAD_FORMS = {("ksplit", "fp8", "sparse"): None, ("ksplit", "fp8", "dense"): 8}
 
 
@@ -729,10 +734,12 @@ def _switched(name: str, default):
     return default if forced is None else forced
 
 
-def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None) -> dict:
+def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None,
+                kv_words: bool = True) -> dict:
     """The Hopper kernel's constexprs that pick its form and registers for `params` (with hopper.py's measurement
     switches applied): what `_launch_hopper` launches and the offline compile tests build. `tiles`: the most KV tiles
-    a program has (None: not known, as for an offline compile)."""
+    a program has (None: not known, as for an offline compile); `kv_words`: the cache's base and strides are whole
+    32-bit words, which the loader ahead reads it as (`kv_cache_in_words`)."""
     from mla_tune.backends.triton_mla import hopper
 
     ksplit = params.block_h >= HOPPER_SHAPE[0] and params.num_warps == HOPPER_KSPLIT_SHAPE[2]
@@ -741,7 +748,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
-    ahead = bool(_switched("LOADER_AHEAD", by_form)) and form[:2] in (("wide", "fp8"), ("ksplit", "fp8"))
+    ahead = bool(_switched("LOADER_AHEAD", by_form)) and form[:2] in (("wide", "fp8"), ("ksplit", "fp8")) and kv_words
     load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,

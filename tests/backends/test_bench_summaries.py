@@ -27,7 +27,8 @@ def test_summary_takes_the_median_and_splits_by_heads():
 def test_readme_table_matches_the_result_files_it_names():
     summarize = load("summarize_kernels").summarize
     readme = (ROOT / "README.md").read_text()
-    table = readme.split("| | H100 (dense call 256, sparse call 247) | H200 (dense call 257, sparse call 249", 1)[1].split("\n\n", 1)[0]
+    header = "| | H100 (dense call 256, sparse call 247) | H200 (dense call 257, sparse call 249"
+    table = readme.split(header, 1)[1].split("\n\n", 1)[0]
     for gpu, dense_call, sparse_call in (("h100", 256, 247), ("h200", 257, 249)):
         dense = "\n".join(summarize(str(ROOT / f"bench/results/kernels-{gpu}-dense-call{dense_call}.txt")))
         sparse = "\n".join(summarize(str(ROOT / f"bench/results/kernels-{gpu}-sparse-call{sparse_call}.txt")))

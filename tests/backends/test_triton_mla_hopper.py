@@ -251,6 +251,31 @@ def test_launch_hints_the_partials_only_where_there_are_splits(monkeypatch):
     assert seen == [(1, False), (2, True), (8, True)]
 
 
+def test_the_loader_ahead_is_not_given_a_cache_it_cannot_read_as_words(monkeypatch):
+    # `_load_fp8_ahead` reads the FP8 cache as 32-bit words (strides divided by 4): a cache view whose token stride is
+    # not a whole number of words launches the loader without it; the same shape, contiguous, takes it
+    import torch
+
+    from mla_tune.backends.triton_mla import hopper, launch
+
+    seen = []
+
+    class RecordingKernel:  # stands in for the Gluon kernel (no GPU here)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw["LOADER_AHEAD"], kw["LOAD_REGS"]))
+
+    monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
+    cuda_q = type("CudaTensor", (), {"is_cuda": True})()
+    params = launch.LaunchParams(**launch._launch_fields(launch.HOPPER_KSPLIT_TILE))
+    contiguous = torch.empty(2, 1, 576, dtype=torch.float8_e4m3fn)
+    odd_rows = torch.empty(2, 1, 577, dtype=torch.float8_e4m3fn)[:, :, :576]
+    assert launch.kv_cache_in_words(contiguous) and not launch.kv_cache_in_words(odd_rows)
+    for kv in (contiguous, odd_rows):
+        launch._launch_hopper((), (1, 1, 1), {"SPARSE": True, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params,
+                              tiles=32)
+    assert seen == [(True, launch.HOPPER_LOAD_REGS["fp8_ahead"]), (False, launch.HOPPER_LOAD_REGS["fp8"])]
+
+
 def test_warp_specialized_params_refuse_what_the_kernel_cannot_run():
     from mla_tune.backends.triton_mla import LaunchParams
 
