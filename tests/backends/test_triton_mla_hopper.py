@@ -709,6 +709,39 @@ def test_gpu_sparse_fp8_at_batch_64_takes_the_4_warp_launch_with_the_prefetch_an
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("sparse,batch,kv_len", [(True, 64, 3000), (False, 16, 4096)])
+def test_gpu_fp8_cache_with_an_odd_token_stride_skips_the_loader_ahead_and_matches_the_reference(
+        monkeypatch, sparse, batch, kv_len):
+    # `kv_cache_in_words`: the default launch of 64 heads (sparse at batch 64; dense at 8 tiles a program) gives the
+    # loader ahead to the contiguous cache, and not to the same cache as a view with a 577-byte token stride; both
+    # outputs match the reference computed from the contiguous cache
+    from mla_tune.backends.inputs import make_inputs
+    from mla_tune.backends.reference import mla_reference
+    from mla_tune.backends.triton_mla import launch, mla_decode
+    from test_triton_mla import _rel_err
+
+    forms = []
+    hopper_form = launch.hopper_form
+    monkeypatch.setattr(launch, "hopper_form", lambda *a, **kw: forms.append(hopper_form(*a, **kw)) or forms[-1])
+    problem = _gpu_problem("fp8_e4m3", num_heads=64, page_size=64, topk=2048 if sparse else None)
+    inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=5, ragged=sparse)
+    wide = torch.empty(*inputs.kv_cache.shape[:2], 577, dtype=inputs.kv_cache.dtype, device="cuda")
+    wide[..., :576] = inputs.kv_cache
+    odd = wide[..., :576]
+    ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
+                                     topk_indices=inputs.topk_indices)
+    outs = [mla_decode(inputs.q, kv, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                       kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices) for kv in (inputs.kv_cache, odd)]
+    assert [f["LOADER_AHEAD"] for f in forms] == [True, False], forms
+    seen = torch.isfinite(ref_lse)
+    for out, lse in outs:
+        assert not out.isnan().any() and _rel_err(out[seen], ref_out[seen]) < _tol("fp8_e4m3")
+        assert torch.allclose(lse[seen], ref_lse[seen], atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@hopper_only
 def test_gpu_hopper_runs_inside_a_cuda_graph():
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.reference import mla_reference
