@@ -46,7 +46,7 @@ The query: code before `gl.warp_specialize` runs on the MMA warps while the load
 each MMA partition loads the query into shared memory itself (`_store_query`) and the loader streams KV tiles from
 the start: 0.91-1.00 of the time with 1-16 tiles a program (round 33). `launch.QUERY_BEFORE_PARTITIONS` keeps the old
 order for the FP8 dense wide form (1.02-1.22x slower the other way: its loader's global loads wait longer, device calls
-122-130) and the 4-warp launch but for its sparse BF16 form (call 178).
+122-130) and the 4-warp launch's dense forms (calls 178 and 260-261).
 
 Shared memory: the query (64 x 576 x 2 bytes = 72 KiB) plus `STAGES x BLOCK_N x 576 x 2` for the ring,
 216 KiB for two 64-token slots (`hopper_smem_bytes`); one program per SM. Slots of 32 tokens would leave
