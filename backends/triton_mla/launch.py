@@ -690,8 +690,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 # division (round 48) sparse BF16 loads it in warpgroup 0: 0.97 / 0.97 / 0.99 / 0.99 of the time at 128 heads batch
 # 4 / 16 / 64 / 128 (qk1-query-h100-call178.txt). Its FP8 forms (calls 260-261, H100, two runs, the second with the
 # candidates' order reversed): sparse 0.986-0.996 inside at 64 and 128 heads batch 64-128 (six of six faster), so
-# sparse FP8 loads it inside too; dense mixed, 0.94-0.98 at 2 tiles a program, 1.027 / 1.036 at 8 tiles (intervals
-# apart), 0.98-1.008 at 32-256 tiles, so dense FP8 keeps it before.
+# sparse FP8 loads it inside too; dense mixed, 0.94-1.004 at 2-3 tiles a program, 1.027 / 1.036 at 8 tiles
+# (intervals apart), 0.98-1.008 at 16-256 tiles, so dense FP8 keeps it before.
 QUERY_BEFORE_PARTITIONS = {("wide", "fp8", "dense"), ("ksplit", "16bit", "dense"), ("ksplit", "fp8", "dense")}
 
 
