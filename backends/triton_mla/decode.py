@@ -13,6 +13,10 @@ from mla_tune.backends.triton_mla.launch import (
 def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices) -> None:
     if kv_lora_rank != D_LATENT:
         raise ValueError(f"kv_lora_rank {kv_lora_rank} is not supported; the kernel is built for {D_LATENT}")
+    named = {"kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens, "topk_indices": topk_indices}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}; expected q's device {q.device}")
     if q.dim() != 4 or q.shape[-1] != D_LATENT + D_ROPE:
         raise ValueError(f"q has shape {tuple(q.shape)}; expected [batch, q_len, heads, {D_LATENT + D_ROPE}]")
     if q.dtype not in (torch.bfloat16, torch.float16):

@@ -310,6 +310,11 @@ def test_mla_decode_names_the_bad_tensor():
         mla_decode(q, kv.to(torch.float8_e4m3fn), bt, lens, sm_scale=0.1)
     with pytest.raises(ValueError, match="block_table must be int32"):
         mla_decode(q, kv.bfloat16(), bt.long(), lens, sm_scale=0.1)
+    # a tensor on another device (the meta device stands in for a GPU here): named, before any launch
+    with pytest.raises(ValueError, match=r"kv_cache is on meta; expected q's device cpu"):
+        mla_decode(q, kv.bfloat16().to("meta"), bt, lens, sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"seq_lens is on meta; expected q's device cpu"):
+        mla_decode(q, kv.bfloat16(), bt, lens.to("meta"), sm_scale=0.1)
 
 
 # ---------------------------------------------------------------- GPU: the full grid of issue 4
