@@ -7,7 +7,6 @@ per-group barrier of atomics cost? A prerequisite of merging the split partials 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 

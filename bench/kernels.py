@@ -187,7 +187,8 @@ def run_shape(shape, names, args, env) -> list[dict]:
         return rows
     free, _ = torch.cuda.mem_get_info()
     sets = timing.cold_l2_sets(inputs, free_bytes=int(free * 0.5))
-    steps = {name: timing.capture_graph(lambda r=runner: [r.run(s) for s in sets], iterations_per_replay=len(sets))
+    steps = {name: timing.capture_graph(lambda r=runner, sets=sets: [r.run(s) for s in sets],
+                                        iterations_per_replay=len(sets))
              for name, (runner, _) in prepared.items()}
     timings = timing.time_interleaved(steps, rel_ci_target=args.rel_ci, max_seconds=args.max_seconds)
     kv_bytes = kv_bytes_read(inputs)

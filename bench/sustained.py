@@ -39,7 +39,7 @@ def main() -> None:
         problem = Problem(num_heads=heads, kv_cache_dtype="bf16")
         inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=1, ragged=False)
         prepared = FlashInferFA3().prepare(problem, inputs)
-        step = capture_graph(lambda: prepared.run(inputs), min_replay_ms=20.0)
+        step = capture_graph(lambda p=prepared, i=inputs: p.run(i), min_replay_ms=20.0)
         start = time.monotonic()
         while (elapsed := time.monotonic() - start) < args.seconds:
             timing = time_interleaved({"fa3": step}, max_seconds=1.0, max_samples=50)["fa3"]
