@@ -273,11 +273,13 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     with fewer registers its loop spills some of the loads' destinations and so waits for the loads before the slot."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
     words = kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    page_words = stride_kvp // 4
+    token_words = stride_kvt // 4
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+    row, ok = _tile_rows(start, end, seq_len, topk_row, bt_row, words, page_words, token_words,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)
     xs = _load_chunks(row, ok & (DEBUG != 2), cols, 16)
-    row, ok = _tile_rows(start + BLOCK_N, end, seq_len, topk_row, bt_row, words, stride_kvp // 4, stride_kvt // 4,
+    row, ok = _tile_rows(start + BLOCK_N, end, seq_len, topk_row, bt_row, words, page_words, token_words,
                          layout, BLOCK_N, PAGE_SIZE, SPARSE)  # the rows of tile t + 1 from here on
     if PREFETCH and DEBUG != 2:
         if n_tiles > 1:
@@ -294,7 +296,7 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
         mbarrier.arrive(full_bars.index(slot))
         xs = _load_chunks(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols, 16)
         row, ok = _tile_rows(start + (t + 2) * BLOCK_N, end, seq_len, topk_row, bt_row, words,
-                             stride_kvp // 4, stride_kvt // 4, layout, BLOCK_N, PAGE_SIZE, SPARSE)
+                             page_words, token_words, layout, BLOCK_N, PAGE_SIZE, SPARSE)
         if PREFETCH and DEBUG != 2:
             if t + 2 < n_tiles:
                 _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)

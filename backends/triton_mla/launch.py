@@ -750,7 +750,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
             "fp8" if kv_fp8 else "16bit", "sparse" if sparse else "dense")
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
-    ahead = bool(_switched("LOADER_AHEAD", by_form)) and form[:2] in (("wide", "fp8"), ("ksplit", "fp8")) and kv_words
+    ahead = bool(_switched("LOADER_AHEAD", by_form)) and kv_fp8 and form[0] != "narrow" and kv_words
     load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs, DEBUG=hopper.DEBUG_MODE,

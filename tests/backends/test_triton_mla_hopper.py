@@ -722,7 +722,12 @@ def test_gpu_fp8_cache_with_an_odd_token_stride_skips_the_loader_ahead_and_match
 
     forms = []
     hopper_form = launch.hopper_form
-    monkeypatch.setattr(launch, "hopper_form", lambda *a, **kw: forms.append(hopper_form(*a, **kw)) or forms[-1])
+
+    def recording_hopper_form(*args, **kwargs):
+        forms.append(hopper_form(*args, **kwargs))
+        return forms[-1]
+
+    monkeypatch.setattr(launch, "hopper_form", recording_hopper_form)
     problem = _gpu_problem("fp8_e4m3", num_heads=64, page_size=64, topk=2048 if sparse else None)
     inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=5, ragged=sparse)
     wide = torch.empty(*inputs.kv_cache.shape[:2], 577, dtype=inputs.kv_cache.dtype, device="cuda")
