@@ -110,6 +110,10 @@ CONSUMER_FENCE = None
 # tile's bytes (as 32-bit words) right after it stored the current one, so they are in flight while it waits for the
 # next slot (`_load_fp8_ahead`, round 59). None in production: by form, `launch.LOADER_AHEAD_FORMS`.
 LOADER_AHEAD = None
+# Measurement only (bench/hopper_dev.py): how many of the query's 576 columns warpgroup 0 of the 4-warp launch keeps in
+# registers as the score wgmma's A operand (0, 64: the rope columns, or 64 + a multiple of 64 latent columns), so the
+# score MMAs read only the rest of the query from shared memory. None in production: `launch.QK1_QUERY_REG_COLS`.
+QUERY_REG_COLS = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -140,23 +144,32 @@ def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: g
 
 
 @gluon.jit
+def _load_query(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, col0, layout: gl.constexpr,
+                N_COLS: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr,
+                KV_FP8: gl.constexpr):
+    """Columns `col0`..`col0 + N_COLS` of the program's `N_ROWS` query rows in `layout` (0 for rows past the heads;
+    FP8: scaled by `q_scale`, then rounded to fp16)."""
+    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, layout), Q_LEN, SPARSE, N_ROWS)
+    q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
+    x = gl.load(q_row[:, None] + col0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, layout))[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if KV_FP8:
+        x = (x.to(gl.float32) * q_scale).to(gl.float16)
+    return x
+
+
+@gluon.jit
 def _store_query(q_ptr, q_lat, q_rope, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale,
                  Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
                  WARPS: gl.constexpr):
-    """The query's rows into `q_lat` / `q_rope` (FP8: scaled by `q_scale`, then rounded to fp16), by `WARPS` warps:
-    every load is issued before the first store, so the round trips overlap. Fenced for wgmma."""
+    """The query's rows into `q_lat` / `q_rope` (`_load_query`), by `WARPS` warps: every load is issued before the
+    first store, so the round trips overlap. Fenced for wgmma."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    qi, h, row_ok = _rows(pid_m, num_heads, gl.SliceLayout(1, layout), Q_LEN, SPARSE, N_ROWS)
-    q_row = q_ptr + b.to(gl.int64) * stride_qb + qi * stride_qt + h * stride_qh
-    lat = gl.load(q_row[:, None] + gl.arange(0, 512, layout=gl.SliceLayout(0, layout))[None, :],
-                  mask=row_ok[:, None], other=0.0)
-    rope = gl.load(q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :],
-                   mask=row_ok[:, None], other=0.0)
-    if KV_FP8:
-        rope = (rope.to(gl.float32) * q_scale).to(gl.float16)
+    lat = _load_query(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, 0, layout, 512, Q_LEN,
+                      SPARSE, N_ROWS, KV_FP8)
+    rope = _load_query(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, 512, layout, 64, Q_LEN,
+                       SPARSE, N_ROWS, KV_FP8)
     q_rope.store(rope)
-    if KV_FP8:
-        lat = (lat.to(gl.float32) * q_scale).to(gl.float16)
     q_lat.store(lat)
     fence_async_shared()
 
@@ -659,11 +672,52 @@ def _mma_partition_narrow(q_lat, q_rope, k_lat, k_rope, p_smem, full_bars, empty
 
 
 @gluon.jit
-def _qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s):
-    """`_mma_partition_qk1`'s score MMAs of ring slot `slot` (m64n64 over all 576 columns), issued, not waited for:
-    two wgmma groups."""
-    s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    return warpgroup_mma(q_lat, k_lat.index(slot).permute((1, 0)), s, is_async=True)
+def _qk1_scores(q_lat, q_rope, q_regs, k_lat, k_rope, slot, zero_s, REG_COLS: gl.constexpr = 0):
+    """`_mma_partition_qk1`'s score MMAs of ring slot `slot` (m64n64 over all 576 columns), issued, not waited for.
+    With `REG_COLS` the query's first `REG_COLS` columns (rope first, then latent) come from registers (`q_regs`: the
+    rope columns and, above 64, the first latent ones, `_qk1_query_regs`)."""
+    if REG_COLS == 0:
+        s = warpgroup_mma(q_rope, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        return warpgroup_mma(q_lat, k_lat.index(slot).permute((1, 0)), s, is_async=True)
+    else:
+        q_rope_regs, q_lat_regs = q_regs
+        s = warpgroup_mma(q_rope_regs, k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        LAT: gl.constexpr = REG_COLS - 64
+        if LAT > 0:
+            s = warpgroup_mma(q_lat_regs, k_lat.index(slot).slice(0, LAT, dim=1).permute((1, 0)), s, is_async=True)
+        # the other latent columns in power-of-two slices, each aligned to its width
+        gl.static_assert(LAT == 0 or LAT == 64 or LAT == 128 or LAT == 256, "QUERY_REG_COLS: 64, 128, 192 or 320")
+        kl = k_lat.index(slot)
+        if LAT == 0:
+            return warpgroup_mma(q_lat, kl.permute((1, 0)), s, is_async=True)
+        else:
+            if LAT == 64:
+                s = warpgroup_mma(q_lat.slice(64, 64, dim=1), kl.slice(64, 64, dim=1).permute((1, 0)), s,
+                                  is_async=True)
+            if LAT <= 128:
+                s = warpgroup_mma(q_lat.slice(128, 128, dim=1), kl.slice(128, 128, dim=1).permute((1, 0)), s,
+                                  is_async=True)
+            return warpgroup_mma(q_lat.slice(256, 256, dim=1), kl.slice(256, 256, dim=1).permute((1, 0)), s,
+                                 is_async=True)
+
+
+@gluon.jit
+def _qk1_query_regs(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, s_layout: gl.constexpr,
+                    REG_COLS: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr, KV_FP8: gl.constexpr):
+    """The query's columns that `_qk1_scores` takes from registers, loaded from global memory (so no barrier orders
+    them after the shared-memory copy): (rope, the first `REG_COLS - 64` latent columns, or the rope again where
+    there are none), in the score wgmma's A-operand layout; (0, 0) without `REG_COLS`."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    if REG_COLS == 0:
+        return 0, 0
+    else:
+        rope = _load_query(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, 512, a_layout, 64,
+                           Q_LEN, SPARSE, ROWS, KV_FP8)
+        if REG_COLS > 64:
+            return rope, _load_query(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, 0,
+                                     a_layout, REG_COLS - 64, Q_LEN, SPARSE, ROWS, KV_FP8)
+        else:
+            return rope, rope
 
 
 @gluon.jit
@@ -717,7 +771,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                        stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                        DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False):
+                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, REG_COLS: gl.constexpr = 0):
     """One of the 4-warp launch's two MMA warpgroups, which divide a tile's work as FlashInfer's Hopper MLA kernel
     does. Warpgroup 0 scores all 64 tokens over all 576 columns (one
     m64n64 wgmma chain: the query read once a tile, no partial scores to exchange), runs the online softmax (rows on
@@ -745,11 +799,14 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
         l_i = gl.zeros([ROWS], gl.float32, rows_s)
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        q_regs = _qk1_query_regs(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh, q_scale, s_layout,
+                                 REG_COLS, Q_LEN, SPARSE, KV_FP8)
         if DEBUG == 1:
             _hand_back(full_bars, empty_bars, n_tiles, STAGES)
         for t in range(n_tiles if DEBUG != 1 else 0):
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
-            acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, k_lat, k_rope, slot, zero_s), acc, m_i, l_i, t,
+            acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, k_lat, k_rope, slot, zero_s, REG_COLS),
+                                      acc, m_i, l_i, t,
                                       k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
                                       visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, DEBUG,
                                       Q_LEN)
@@ -800,7 +857,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LOADER_AHEAD: gl.constexpr = False,
+    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -920,13 +977,13 @@ def _mla_hopper_kernel(
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
                                   l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],

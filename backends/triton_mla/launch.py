@@ -759,7 +759,8 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         KSPLIT=ksplit, MMA_REGS=QK1_WORKER_REGS if ksplit else 0,
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
-        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), LOADER_AHEAD=ahead)
+        CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), LOADER_AHEAD=ahead,
+        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0)
 
 
 # Registers of the 4-warp launch's second MMA warpgroup (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and
@@ -767,3 +768,6 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
 # `HOPPER_MAXNREG`: 168 and up keep them from spilling (offline sm_90a: 152 spills 370-670 B, 160-176 none but the FP8
 # kernel's 8 B).
 QK1_WORKER_REGS = 168
+# The 4-warp launch's query columns that warpgroup 0 keeps in registers for its score MMAs (`hopper.QUERY_REG_COLS`),
+# by form; none elsewhere.
+QK1_QUERY_REG_COLS: dict = {}
