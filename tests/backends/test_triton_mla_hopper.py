@@ -380,6 +380,37 @@ def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, 
     assert form["QUERY_IN_CONSUMER"] is inside, (params.label(), form)
 
 
+@pytest.mark.parametrize("kv,sparse,cols", [("bf16", True, 0), ("bf16", True, 128), ("bf16", True, 192),
+                                             ("fp16", True, 128), ("fp8", False, 64)])
+def test_warpgroup_0_takes_the_querys_first_columns_from_registers(kv, sparse, cols):
+    # round 62: the 4-warp launch's score MMAs read `cols` query columns (rope first) from registers (wgmma with A
+    # in registers: `p @ v`'s 4 k-steps, plus cols / 16) and the rest from shared memory, 36 k-steps in all, no spills
+    from offline_compile import hopper_compile
+
+    ptx, _, report = hopper_compile(kv=kv, sparse=sparse, page_size=1 if sparse else 64, ksplit=True,
+                                    QUERY_REG_COLS=cols)
+    mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    register_a = [line for line in mmas if re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", line)]
+    assert len(mmas) == 36 + 8 and len(register_a) == 4 + cols // 16, (len(mmas), len(register_a))
+    if kv != "fp8":
+        assert _spill_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,cols", [
+    (128, False, True, 64, 128), (128, False, True, 128, 128),   # sparse BF16, 4-warp launch: 0.964-0.982 (266-267)
+    (64, False, True, 4, 128),                                   # ... which runs 64 heads at every batch
+    (128, False, False, 128, 0), (64, True, False, 64, 0),       # dense 4-warp launch: no gain, BF16 or FP8
+    (64, True, True, 64, 0), (64, True, True, 4, 0),             # sparse FP8: the 4-warp launch (1.28x slower), wide
+])
+def test_launch_picks_the_query_columns_in_registers_by_form(heads, kv_fp8, sparse, batch, cols):
+    from mla_tune.backends.triton_mla.launch import default_params, hopper_form
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
+                            cc_major=9, num_sms=132, lengths=[4096] * batch)
+    assert params.warp_specialized, params
+    assert hopper_form(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)["QUERY_REG_COLS"] == cols
+
+
 @pytest.mark.parametrize("kv,sparse,ksplit,prefetches", [
     ("fp8", True, False, True), ("fp8", False, False, True), ("fp8", False, True, True), ("bf16", False, False, False)])
 def test_the_fp8_register_loader_can_prefetch_the_next_tile_into_l2(kv, sparse, ksplit, prefetches):
