@@ -114,10 +114,6 @@ LOADER_AHEAD = None
 # registers as the score wgmma's A operand (0, 64: the rope columns, or 64 + a multiple of 64 latent columns), so the
 # score MMAs read only the rest of the query from shared memory. None in production: `launch.QK1_QUERY_REG_COLS`.
 QUERY_REG_COLS = None
-# Measurement only (bench/hopper_dev.py): True makes warpgroup 0 of the 4-warp launch issue tile t + 1's score MMAs as
-# soon as tile t's are done (waiting for tile t + 1's slot first), so they run during tile t's softmax; the last tile
-# issues them on the other slot unfilled and drops them. None / False in production (`launch.QK1_EARLY_SCORES_FORMS`).
-EARLY_SCORES = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -438,14 +434,14 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
 
 
 @gluon.jit
-def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr, DEBUG: gl.constexpr = 0, pred=True):
-    """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot (where `pred`); fenced for wgmma
-    where `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously). Measurement
-    modes 7-9: without the wait."""
+def _full_slot(full_bars, t, STAGES: gl.constexpr, FENCE_SLOTS: gl.constexpr, DEBUG: gl.constexpr = 0):
+    """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot; fenced for wgmma where
+    `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously). Measurement modes
+    7-9: without the wait."""
     slot = t % STAGES
     phase = (t // STAGES) & 1
     if DEBUG < 7 or DEBUG > 9:
-        mbarrier.wait(full_bars.index(slot), phase, pred=pred)
+        mbarrier.wait(full_bars.index(slot), phase)
     if FENCE_SLOTS:
         fence_async_shared()
     return slot, phase
@@ -727,15 +723,11 @@ def _qk1_query_regs(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh,
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
               visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr, Q_LEN: gl.constexpr,
-              q_lat, q_rope, q_regs, zero_s, full_bars, n_tiles, FENCE_SLOTS: gl.constexpr, REG_COLS: gl.constexpr,
-              EARLY: gl.constexpr):
+              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr, Q_LEN: gl.constexpr):
     """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
     online softmax, hands p (over the slot's rope columns, whose last reader was that score MMA) and the rescale
     factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group,
-    not waited for). With `EARLY` (`EARLY_SCORES`), right after the wait it issues tile t + 1's score MMAs.
-    Returns (the output accumulator, running max, running sum, the score MMAs issued: tile t + 1's with `EARLY`,
-    else `s`)."""
+    not waited for). Returns (the output accumulator, running max, running sum)."""
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -749,9 +741,6 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     if COLUMN_BIAS:
         bias = gl.where(ok, 0.0, float("-inf"))
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    if EARLY:
-        nxt, _ = _full_slot(full_bars, t + 1, STAGES, FENCE_SLOTS, DEBUG, t + 1 < n_tiles)
-        s = _qk1_scores(q_lat, q_rope, q_regs, k_lat, k_rope, nxt, zero_s, REG_COLS)
     if COLUMN_BIAS:
         scores = scores * qk_scale + bias[None, :]
     else:
@@ -772,7 +761,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     mbarrier.arrive(p_bars.index(slot))
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
-    return acc, m_new, l_i, s
+    return acc, m_new, l_i
 
 
 @gluon.jit
@@ -782,8 +771,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                        stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                        DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, REG_COLS: gl.constexpr = 0,
-                       EARLY: gl.constexpr = False):
+                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, REG_COLS: gl.constexpr = 0):
     """One of the 4-warp launch's two MMA warpgroups, which divide a tile's work as FlashInfer's Hopper MLA kernel
     does. Warpgroup 0 scores all 64 tokens over all 576 columns (one
     m64n64 wgmma chain: the query read once a tile, no partial scores to exchange), runs the online softmax (rows on
@@ -815,23 +803,15 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                                  REG_COLS, Q_LEN, SPARSE, KV_FP8)
         if DEBUG == 1:
             _hand_back(full_bars, empty_bars, n_tiles, STAGES)
-        if EARLY:  # tile 0's score MMAs before the loop (on slot 0 unfilled where there is no tile)
-            first, _ = _full_slot(full_bars, 0, STAGES, FENCE_SLOTS, DEBUG, n_tiles > 0 and DEBUG != 1)
-            s = _qk1_scores(q_lat, q_rope, q_regs, k_lat, k_rope, first, zero_s, REG_COLS)
         for t in range(n_tiles if DEBUG != 1 else 0):
-            if EARLY:
-                slot = t % STAGES
-            else:
-                slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
-                s = _qk1_scores(q_lat, q_rope, q_regs, k_lat, k_rope, slot, zero_s, REG_COLS)
-            acc, m_i, l_i, s = _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start,
-                                         end, seq_len, visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES,
-                                         SPARSE, DEBUG, Q_LEN, q_lat, q_rope, q_regs, zero_s, full_bars, n_tiles,
-                                         FENCE_SLOTS, REG_COLS, EARLY)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # all groups: with EARLY, tile t + 1's scores too
+            slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
+            acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, k_lat, k_rope, slot, zero_s, REG_COLS),
+                                      acc, m_i, l_i, t,
+                                      k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
+                                      visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, DEBUG,
+                                      Q_LEN)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
-        if EARLY:  # the last tile's (or, without tiles, the first's) unused score MMAs
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         l_smem.store(l_i)
         mbarrier.arrive(l_bar)
         _epilogue(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, b, split, num_heads, store_o, out_scale, stride_ob,
@@ -877,7 +857,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0, EARLY_SCORES: gl.constexpr = False,
+    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -997,13 +977,13 @@ def _mla_hopper_kernel(
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS, EARLY_SCORES)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
                                   l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS, EARLY_SCORES)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],

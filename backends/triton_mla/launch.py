@@ -760,8 +760,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
         CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0,
-        EARLY_SCORES=bool(_switched("EARLY_SCORES", False)) and ksplit)
+        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0)
 
 
 # Registers of the 4-warp launch's second MMA warpgroup (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and
