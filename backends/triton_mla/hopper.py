@@ -78,11 +78,10 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # rescales the output (as before round 52; correct results), 11 = one query token's scores masked after they land, by
 # row and column (as before round 55; correct results); (the wide forms) 12 = p and the final outputs rounded by
 # Triton's own cast (as before round 56: one value an instruction but in the 8-warp form's p, which it packs too;
-# correct results); (4-warp launch only) 13 = warpgroup 1 rescales its accumulator every tile, without the test of
-# whether any row's reference moved (a reduction across its four warps; correct results). 0 in production.
+# correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
                "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10,
-               "qk1_row_mask": 11, "scalar_cast": 12, "qk1_wg1_always_rescales": 13}
+               "qk1_row_mask": 11, "scalar_cast": 12}
 # The 4-warp launch's lazy rescale (round 52): a row's reference max moves only when the tile's max exceeds it by more
 # than this many log2 units, so p stays below 2^LAZY_MAX_LOG2 (exact either way: the sums use the same reference), and
 # warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: the
@@ -826,7 +825,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
             mbarrier.wait(p_bars.index(slot), phase)
             kl = k_lat.index(slot)
             alpha = alpha_smem.index(slot).load(rows_o)
-            if DEBUG == 10 or DEBUG == 13:
+            if DEBUG == 10:
                 acc = acc * alpha[:, None]
             elif gl.min(alpha, 0) < 1.0:  # some row's reference moved (round 52)
                 acc = acc * alpha[:, None]
@@ -913,12 +912,12 @@ def _mla_hopper_kernel(
                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # (The argument tuples are written out in the calls: a tuple bound to a name loses its constexprs.)
     # Measurement modes by form (`DEBUG_MODES`): 1-2 in every form, 3-5 and 7 in the token-split wide form, 4-7 in the
-    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-11 and 13 in the 4-warp launch, 12 in both wide
-    # forms; in modes 4-6 the loaders copy nothing (as in mode 2).
+    # narrow form, 8-9 in the narrow FP8 form (its staged loader), 10-11 in the 4-warp launch, 12 in both wide forms; in
+    # modes 4-6 the loaders copy nothing (as in mode 2).
     NARROW: gl.constexpr = N_ROWS < ROWS
     gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
                      or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7)
-                     or (KSPLIT and (DEBUG == 10 or DEBUG == 11 or DEBUG == 13)) or (not NARROW and DEBUG == 12),
+                     or (KSPLIT and DEBUG >= 10 and DEBUG <= 11) or (not NARROW and DEBUG == 12),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
     LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG >= 10 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
