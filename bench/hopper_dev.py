@@ -65,8 +65,7 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
             "ahead": {"LOADER_AHEAD": True}, "aheadpf0": {"LOADER_AHEAD": True, "L2_PREFETCH": False},
             "ahead0": {"LOADER_AHEAD": False},
-            **{f"qr{n}": {"QUERY_REG_COLS": n} for n in (0, 64, 128, 192)},
-            "aa": {"ALPHA_AHEAD": True}, "aa0": {"ALPHA_AHEAD": False}}
+            **{f"qr{n}": {"QUERY_REG_COLS": n} for n in (0, 64, 128, 192)}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU

@@ -114,11 +114,6 @@ LOADER_AHEAD = None
 # registers as the score wgmma's A operand (0, 64: the rope columns, or 64 + a multiple of 64 latent columns), so the
 # score MMAs read only the rest of the query from shared memory. None in production: `launch.QK1_QUERY_REG_COLS`.
 QUERY_REG_COLS = None
-# Measurement only (bench/hopper_dev.py): True makes warpgroup 0 of the 4-warp launch hand warpgroup 1 the tile's
-# rescale factors (on their own barrier) as soon as it has the new row maxima, before it computes p, so warpgroup 1
-# tests and rescales its accumulator while p is computed and issues its `p @ v` as soon as p lands. None in production:
-# `launch.QK1_ALPHA_AHEAD`.
-ALPHA_AHEAD = None
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, ksplit: bool = False) -> int:
@@ -728,13 +723,11 @@ def _qk1_query_regs(q_ptr, pid_m, b, num_heads, stride_qb, stride_qt, stride_qh,
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
               visible_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr, Q_LEN: gl.constexpr,
-              ALPHA_AHEAD: gl.constexpr = False):
+              STAGES: gl.constexpr, SPARSE: gl.constexpr, DEBUG: gl.constexpr, Q_LEN: gl.constexpr):
     """Warpgroup 0 of `_mma_partition_qk1` on tile `t`, once its score MMAs `s` are issued: waits for them, runs the
     online softmax, hands p (over the slot's rope columns, whose last reader was that score MMA) and the rescale
-    factors to warpgroup 1 (on `p_bars[slot]`; with `ALPHA_AHEAD` the factors first, on `p_bars[STAGES + slot]`),
-    rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group, not waited for). Returns
-    (the output accumulator, running max, running sum)."""
+    factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (one wgmma group,
+    not waited for). Returns (the output accumulator, running max, running sum)."""
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -759,15 +752,11 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     # lazy: 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
     alpha = gl.exp2(m_i - m_safe) if DEBUG == 10 else gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
-    if ALPHA_AHEAD:
-        alpha_smem.index(slot).store(alpha)
-        mbarrier.arrive(p_bars.index(STAGES + slot))
     p = gl.exp2(scores - m_safe[:, None])
     p = _round_pairs(p, kl.dtype, DEBUG == 12)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
-    if not ALPHA_AHEAD:
-        alpha_smem.index(slot).store(alpha)
+    alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(p_bars.index(slot))
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
@@ -782,8 +771,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                        stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
                        DEBUG: gl.constexpr, WG: gl.constexpr, KV_FP8: gl.constexpr, QUERY_IN_CONSUMER: gl.constexpr,
-                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, REG_COLS: gl.constexpr = 0,
-                       ALPHA_AHEAD: gl.constexpr = False):
+                       FENCE_SLOTS: gl.constexpr, EVICT_LAST: gl.constexpr = False, REG_COLS: gl.constexpr = 0):
     """One of the 4-warp launch's two MMA warpgroups, which divide a tile's work as FlashInfer's Hopper MLA kernel
     does. Warpgroup 0 scores all 64 tokens over all 576 columns (one
     m64n64 wgmma chain: the query read once a tile, no partial scores to exchange), runs the online softmax (rows on
@@ -821,7 +809,7 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
                                       acc, m_i, l_i, t,
                                       k_lat, k_rope, alpha_smem, p_bars, topk_row, start, end, seq_len,
                                       visible_len, qk_scale, s_layout, o_layout, BLOCK_N, STAGES, SPARSE, DEBUG,
-                                      Q_LEN, ALPHA_AHEAD)
+                                      Q_LEN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty_bars.index(slot))
         l_smem.store(l_i)
@@ -834,15 +822,13 @@ def _mma_partition_qk1(q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_ba
             _hand_back(full_bars, empty_bars, n_tiles, STAGES)
         for t in range(n_tiles if DEBUG != 1 else 0):
             slot, phase = _full_slot(full_bars, t, STAGES, FENCE_SLOTS)
-            mbarrier.wait(p_bars.index(STAGES + slot if ALPHA_AHEAD else slot), phase)
+            mbarrier.wait(p_bars.index(slot), phase)
             kl = k_lat.index(slot)
             alpha = alpha_smem.index(slot).load(rows_o)
             if DEBUG == 10:
                 acc = acc * alpha[:, None]
             elif gl.min(alpha, 0) < 1.0:  # some row's reference moved (round 52)
                 acc = acc * alpha[:, None]
-            if ALPHA_AHEAD:
-                mbarrier.wait(p_bars.index(slot), phase)
             acc = warpgroup_mma(k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout),
                                 kl.slice(256, 256, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -871,7 +857,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0, QK1_ALPHA_AHEAD: gl.constexpr = False,
+    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -980,10 +966,9 @@ def _mla_hopper_kernel(
         # the 4-warp launch (FlashInfer's division): warpgroup 0 the default partition, warpgroup 1 a worker
         alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        P_BARS: gl.constexpr = 2 * STAGES if QK1_ALPHA_AHEAD else STAGES  # p's barriers, then the rescale factors
-        p_bars = gl.allocate_shared_memory(gl.int64, [P_BARS, 1], mbarrier.MBarrierLayout())
+        p_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(P_BARS):
+        for i in gl.static_range(STAGES):
             mbarrier.init(p_bars.index(i), count=1)
         mbarrier.init(l_bar, count=1)
         gl.warp_specialize([
@@ -992,13 +977,13 @@ def _mla_hopper_kernel(
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 0, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS, QK1_ALPHA_AHEAD)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_mma_partition_qk1, (q_lat, q_rope, k_lat, k_rope, alpha_smem, l_smem, full_bars, empty_bars, p_bars,
                                   l_bar, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end,
                                   n_tiles, store_o, qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh,
                                   stride_lb, stride_ls, stride_lt, stride_lh, q_ptr, stride_qb, stride_qt, stride_qh,
                                   q_scale, BLOCK_N, STAGES, Q_LEN, SPARSE, DEBUG, 1, KV_FP8, QUERY_IN_CONSUMER,
-                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS, QK1_ALPHA_AHEAD)),
+                                  FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
                                LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],

@@ -760,8 +760,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
         CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0,
-        QK1_ALPHA_AHEAD=bool(_switched("ALPHA_AHEAD", form in QK1_ALPHA_AHEAD_FORMS)) and ksplit)
+        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0)
 
 
 # Registers of the 4-warp launch's second MMA warpgroup (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and
@@ -774,6 +773,3 @@ QK1_WORKER_REGS = 168
 # of the time of none, same process (H100, calls 266-267); dense BF16 ran 1.00-1.02x slower with them, dense FP8
 # 0.99-1.03x, and sparse FP8 1.27-1.29x slower (not investigated).
 QK1_QUERY_REG_COLS = {("ksplit", "16bit", "sparse"): 128}
-# The 4-warp launch's forms in which warpgroup 0 hands over the rescale factors before it computes p
-# (`hopper.ALPHA_AHEAD`).
-QK1_ALPHA_AHEAD_FORMS: frozenset = frozenset()
