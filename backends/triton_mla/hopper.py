@@ -36,7 +36,9 @@ kernel 0.86-0.99 of their time where the MMA warps bound (FP8 dense 64-128 heads
 bench/TRITON_NOTES.md, device calls 170-173), where `launch.HOPPER_KSPLIT_MIN_BATCH` runs it. It replaced the k-split
 division (round 26: each warpgroup scored all 64 tokens over half the 576 columns and the two exchanged fp16 partial
 scores), which was within 1% of it at dense BF16 128 heads batch 64-128 and slower everywhere else measured (calls
-170 and 173); commit f5c05d3 has that division and round 49's variant of qk1.
+170 and 173); commit f5c05d3 has that division and round 49's variant of qk1. Where `launch.QK1_QUERY_REG_COLS` says
+so (sparse 16-bit caches), warpgroup 0 keeps the query's rope and first latent columns in registers, the score wgmma's
+A operand, so it reads fewer query bytes from shared memory a tile (round 62).
 
 A program is the same unit as in `kernel.py`: 64 packed query rows (dense: `q_len x heads`, row `r` is
 token `r // heads`, head `r % heads`; sparse: heads of one query token) x one split of the KV range, and
