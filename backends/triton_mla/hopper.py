@@ -80,11 +80,10 @@ LOAD_WARPS = gl.constexpr(4)   # the loader partition: one warpgroup
 # rescales the output (as before round 52; correct results), 11 = one query token's scores masked after they land, by
 # row and column (as before round 55; correct results); (the wide forms) 12 = p and the final outputs rounded by
 # Triton's own cast (as before round 56: one value an instruction but in the 8-warp form's p, which it packs too;
-# correct results); (4-warp launch only) 13 = warpgroup 0 too skips its rescale where no row's reference moved (a
-# reduction across its four warps, as warpgroup 1; correct results). 0 in production.
+# correct results). 0 in production.
 DEBUG_MODES = {"loader_only": 1, "mma_only": 2, "no_reductions": 3, "mma_no_pv": 4, "mma_scores": 5, "mma_pv": 6,
                "decoupled": 7, "decoupled_copies": 8, "decoupled_casts": 9, "qk1_eager_rescale": 10,
-               "qk1_row_mask": 11, "scalar_cast": 12, "qk1_wg0_lazy_rescale": 13}
+               "qk1_row_mask": 11, "scalar_cast": 12}
 # The 4-warp launch's lazy rescale (round 52): a row's reference max moves only when the tile's max exceeds it by more
 # than this many log2 units, so p stays below 2^LAZY_MAX_LOG2 (exact either way: the sums use the same reference), and
 # warpgroup 1 skips rescaling its accumulator on tiles where no row's reference moved (warpgroup 0 always rescales: the
@@ -762,11 +761,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, k_lat, k_rope, alpha_smem, p_bars, topk_row, 
     alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(p_bars.index(slot))
-    if DEBUG == 13:
-        if gl.min(alpha, 0) < 1.0:
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-    else:
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
     return acc, m_new, l_i
 
@@ -924,7 +919,7 @@ def _mla_hopper_kernel(
     NARROW: gl.constexpr = N_ROWS < ROWS
     gl.static_assert(DEBUG <= 2 or (NARROW and DEBUG >= 4 and (DEBUG <= 7 or (KV_FP8 and DEBUG <= 9)))
                      or (not NARROW and not KSPLIT and DEBUG != 6 and DEBUG <= 7)
-                     or (KSPLIT and (DEBUG == 10 or DEBUG == 11 or DEBUG == 13)) or (not NARROW and DEBUG == 12),
+                     or (KSPLIT and DEBUG >= 10 and DEBUG <= 11) or (not NARROW and DEBUG == 12),
                      "this form of the Hopper kernel has no such measurement mode (hopper.DEBUG_MODES)")
     LOADER_DEBUG: gl.constexpr = 2 if DEBUG >= 4 and DEBUG <= 6 else 0 if DEBUG >= 10 else DEBUG
     if N_ROWS < ROWS and KV_FP8 and STAGED_LOADERS == 2:
