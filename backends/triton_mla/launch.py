@@ -771,6 +771,6 @@ QK1_WORKER_REGS = 168
 # The 4-warp launch's query columns that warpgroup 0 keeps in registers for its score MMAs (`hopper.QUERY_REG_COLS`),
 # by form; none elsewhere. The sparse 16-bit form (64 heads at every batch, 128 heads from batch 1): 128 columns (the
 # rope and 64 latent) took 0.964-1.007 of the time of none, same process (H100, calls 266-268); 192 took 0.976-0.992
-# of 128's on an H200 (call 275) and the same within 1% on the H100, too little to move. Dense BF16 ran 1.00-1.02x
-# slower with them, dense FP8 0.99-1.03x, and sparse FP8 1.27-1.29x slower (not investigated).
+# of 128's on an H200 (call 275) and 0.980-1.007 on the H100 (calls 267, 273), too little to move. Dense BF16 ran
+# 1.00-1.02x slower with them, dense FP8 0.99-1.03x, and sparse FP8 1.27-1.29x slower (not investigated).
 QK1_QUERY_REG_COLS = {("ksplit", "16bit", "sparse"): 128}
