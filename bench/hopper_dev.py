@@ -40,6 +40,8 @@ from mla_tune.backends.triton_mla.launch import (  # noqa: E402
 DENSE_SHAPES = [(1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384)]
 SPARSE_SHAPES = [(4, 32768), (64, 32768), (128, 32768)]
 SHAPE_SETS = {"default": (DENSE_SHAPES, SPARSE_SHAPES), "big": ([(64, 4096), (128, 16384)], [(128, 32768)]),
+              # the dense shapes of the roofline median (batch >= 64, kv_len >= 4096) and the sparse ones at batch >= 64
+              "median": ([(64, 4096), (64, 16384), (128, 4096), (128, 16384)], [(64, 32768), (128, 32768)]),
               "mid": ([(4, 16384), (16, 4096), (16, 16384)], [(16, 32768), (64, 32768)]),
               "small": ([(1, 4096), (1, 16384), (4, 4096), (4, 16384), (16, 4096)],
                         [(1, 32768), (4, 32768), (16, 32768)]),
@@ -65,7 +67,11 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
             "ahead": {"LOADER_AHEAD": True}, "aheadpf0": {"LOADER_AHEAD": True, "L2_PREFETCH": False},
             "ahead0": {"LOADER_AHEAD": False},
-            **{f"qr{n}": {"QUERY_REG_COLS": n} for n in (0, 64, 128, 192)}}
+            **{f"qr{n}": {"QUERY_REG_COLS": n} for n in (0, 64, 128, 192)},
+            # round 65: the register-fed narrow FP8 form, with 2-4 staged tiles and 64- or 128-column score segments
+            "rf": {"REGISTER_FED": True},
+            **{f"rf{n}": {"REGISTER_FED": True, "REGISTER_FED_STAGES": n} for n in (2, 4)},
+            "rfs128": {"REGISTER_FED": True, "REGISTER_FED_SEG": 128}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU

@@ -675,8 +675,22 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     form = hopper_form(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                        splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache))
+    if REGISTER_FED and form["KV_FP8"] and form["N_ROWS"] < HOPPER_SHAPE[0]:
+        from mla_tune.backends.triton_mla import regfed
+
+        return regfed._mla_regfed_kernel[grid](*args, **common, N_ROWS=params.block_h, STAGES=REGISTER_FED_STAGES,
+                                               EVICT_LAST=form["PARTIAL_EVICT_LAST"], SEG=REGISTER_FED_SEG,
+                                               num_warps=4)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
+
+
+# Measurement only (bench/hopper_dev.py): True runs the narrow FP8 form as `regfed._mla_regfed_kernel` (round 65: one
+# warpgroup reads the staged e4m3 bytes straight into wgmma's A registers), with that many staged tiles and score
+# segments of that many columns. None in production.
+REGISTER_FED = None
+REGISTER_FED_STAGES = 3
+REGISTER_FED_SEG = 64
 
 
 # Forms of the Hopper kernel (form, KV kind, dense / sparse) whose query every warp loads before the partitions start;
