@@ -94,6 +94,8 @@ def candidate(spec: str):
         return ckind, tile_for, {**switches, "DEBUG_MODE": DEBUG_MODES[mode]}
     if rest in SWITCHES:
         return kind, lambda bucket: DISPATCHED, SWITCHES[rest]
+    if rest[-2:-1] == "x" and rest[:-2] in SWITCHES:  # the dispatched tile's splits for n programs an SM ('fp8:rf2x2')
+        return kind, lambda bucket: f"{DISPATCHED}:0:{int(rest[-1])}", SWITCHES[rest[:-2]]
     if rest.startswith("dm"):  # the dispatched tile with another minimum split ('fp8:dm256')
         return kind, lambda bucket: f"{DISPATCHED}:{int(rest[2:])}", {}
     if rest in NARROW:
@@ -201,12 +203,13 @@ def main():
         rows = packed_rows(heads, args.q_len, sparse=bool(topk))
         roof = case.roofline_us(bw, mm)
         adapter_cls = TritonMLASparse if topk else TritonMLA
-        def dispatched(cc_major, min_split=None):
+        def dispatched(cc_major, min_split=None, per_sm=None):
             shape = dict(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items, sparse=bool(topk),
                          kv_fp8=kind == "fp8", cc_major=cc_major)
             tile = default_tile(**shape)
-            return params_for(tile if min_split is None else tile._replace(min_split_tokens=min_split), **shape,
-                              num_sms=sms, lengths=case.lengths)
+            tile = tile if not min_split else tile._replace(min_split_tokens=min_split)
+            return params_for(tile if per_sm is None else tile._replace(per_sm=per_sm), **shape, num_sms=sms,
+                              lengths=case.lengths)
 
         # Every entry of the shape is checked and captured first, then all are timed together (`time_steps`:
         # replays interleaved); then one line each, in this order: the tl tiles as shipped before the Hopper kernel
@@ -218,8 +221,10 @@ def main():
                 continue
             if tile == DISPATCHED:
                 params = dispatched(torch.cuda.get_device_capability()[0])
-            elif isinstance(tile, str):  # the dispatched tile with another minimum split
-                params = dispatched(torch.cuda.get_device_capability()[0], int(tile.partition(":")[2]))
+            elif isinstance(tile, str):  # the dispatched tile with another minimum split [and programs an SM]
+                min_split, _, per_sm = tile.partition(":")[2].partition(":")
+                params = dispatched(torch.cuda.get_device_capability()[0], int(min_split),
+                                    int(per_sm) if per_sm else None)
             else:
                 params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch,
                                           max_items=case.max_items, num_sms=sms, sparse=bool(topk),
