@@ -71,7 +71,10 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             # round 65: the register-fed narrow FP8 form, with 2-4 staged tiles and 64- or 128-column score segments
             "rf": {"REGISTER_FED": True},
             **{f"rf{n}": {"REGISTER_FED": True, "REGISTER_FED_STAGES": n} for n in (2, 4)},
-            "rfs128": {"REGISTER_FED": True, "REGISTER_FED_SEG": 128}}
+            "rfs128": {"REGISTER_FED": True, "REGISTER_FED_SEG": 128},
+            # round 66: the FP8 loaders' e4m3 -> fp16 casts by integer and fp16 operations (cb1), or half of them (cb2)
+            **{f"cb{n}": {"CAST_BITS": n} for n in (0, 1, 2)},
+            **{f"rf2cb{n}": {"REGISTER_FED": True, "REGISTER_FED_STAGES": 2, "CAST_BITS": n} for n in (1, 2)}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU

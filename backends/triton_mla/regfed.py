@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper import (
-    _copy_tile, _inv_sums, _lse, _rows, _store_out, _tile_positions, _tile_rows)
+    _cast_e4m3, _copy_tile, _inv_sums, _lse, _rows, _store_out, _tile_positions, _tile_rows)
 
 WARPS = gl.constexpr(4)
 thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # Triton 3.6 / 3.7
@@ -62,19 +62,20 @@ VALUE_LOAD = gl.constexpr(_value_load_layout())
 
 
 @gluon.jit
-def _score_operand(staged, a_layout: gl.constexpr, load_layout: gl.constexpr, WIDTH: gl.constexpr):
+def _score_operand(staged, a_layout: gl.constexpr, load_layout: gl.constexpr, WIDTH: gl.constexpr,
+                   CAST_BITS: gl.constexpr = 0, CHUNK: gl.constexpr = 0):
     """A `[64, WIDTH]` segment of staged e4m3 bytes as the score wgmma's fp16 A operand: logical column
     `k = 16 j + 8 h + 2 c + e` is byte `m = (WIDTH // 4) c + 4 j + 2 h + e` of the segment."""
-    x = staged.load(load_layout).to(gl.float16)
+    x = _cast_e4m3(staged.load(load_layout), CAST_BITS, CHUNK)
     x = x.reshape(64, 4, WIDTH // 16, 2, 2).permute(0, 2, 3, 1, 4).reshape(64, WIDTH)
     return gl.convert_layout(x, a_layout)
 
 
 @gluon.jit
-def _value_operand(staged, a_layout: gl.constexpr):
+def _value_operand(staged, a_layout: gl.constexpr, CAST_BITS: gl.constexpr = 0, CHUNK: gl.constexpr = 0):
     """Sixteen staged tokens' latent bytes `[16, 512]` as `v^T`'s fp16 A operand `[512, 16]`: logical row
     `r = 64 i + 16 w + 8 e + l` is latent column `128 w + 16 l + 2 i + e` (`_latent_of_row`)."""
-    y = staged.load(VALUE_LOAD).to(gl.float16).permute(1, 0)
+    y = _cast_e4m3(staged.load(VALUE_LOAD), CAST_BITS, CHUNK).permute(1, 0)
     y = y.reshape(4, 8, 8, 2, 16).permute(2, 0, 3, 1, 4).reshape(512, 16)
     return gl.convert_layout(y, a_layout)
 
@@ -123,7 +124,7 @@ def _mla_regfed_kernel(
     num_heads, topk, split_items,
     Q_LEN: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr,
     KV_SCALE_IS_PTR: gl.constexpr, N_ROWS: gl.constexpr, STAGES: gl.constexpr, EVICT_LAST: gl.constexpr = False,
-    SEG: gl.constexpr = 128, PV_OUTSTANDING: gl.constexpr = 0,
+    SEG: gl.constexpr = 128, PV_OUTSTANDING: gl.constexpr = 0, CAST_BITS: gl.constexpr = 0,
 ):
     gl.static_assert(BLOCK_N == 64, "the register-fed form reads 64-token tiles")
     gl.static_assert(STAGES >= 2, "the register-fed form needs a tile in flight")
@@ -184,13 +185,13 @@ def _mla_regfed_kernel(
 
         slot = t % STAGES
         kl = stage_lat.index(slot)
-        a_rope = _score_operand(stage_rope.index(slot), a_layout, SCORE_LOAD_64, 64)
+        a_rope = _score_operand(stage_rope.index(slot), a_layout, SCORE_LOAD_64, 64, CAST_BITS, 0)
         s = warpgroup_mma(a_rope, q_rope.permute((1, 0)), gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout),
                           use_acc=False, is_async=True)
         a_prev = a_rope
         seg_layout: gl.constexpr = SCORE_LOAD_128 if SEG == 128 else SCORE_LOAD_64
         for seg in gl.static_range(512 // SEG):
-            a = _score_operand(kl.slice(seg * SEG, SEG, dim=1), a_layout, seg_layout, SEG)
+            a = _score_operand(kl.slice(seg * SEG, SEG, dim=1), a_layout, seg_layout, SEG, CAST_BITS, seg + 1)
             s = warpgroup_mma(a, q_lat.slice(seg * SEG, SEG, dim=1).permute((1, 0)), s, is_async=True)
             s, a_prev, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a_prev, a))
             a_prev = a
@@ -209,7 +210,7 @@ def _mla_regfed_kernel(
         fence_async_shared()
         acc = acc * alpha[None, :]
         for kb in gl.static_range(BLOCK_N // 16):
-            v = _value_operand(kl.slice(kb * 16, 16, dim=0), a_layout)
+            v = _value_operand(kl.slice(kb * 16, 16, dim=0), a_layout, CAST_BITS, kb)
             acc = warpgroup_mma(v, p_smem.slice(kb * 16, 16, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=PV_OUTSTANDING, deps=(acc, v))[0]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
