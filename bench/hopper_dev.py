@@ -67,14 +67,7 @@ SWITCHES = {"dflt": {}, "evl": {"PARTIAL_EVICT_LAST": True}, "noevl": {"PARTIAL_
             "cf1": {"CONSUMER_FENCE": True}, "cf1pf0": {"CONSUMER_FENCE": True, "L2_PREFETCH": False},
             "ahead": {"LOADER_AHEAD": True}, "aheadpf0": {"LOADER_AHEAD": True, "L2_PREFETCH": False},
             "ahead0": {"LOADER_AHEAD": False},
-            **{f"qr{n}": {"QUERY_REG_COLS": n} for n in (0, 64, 128, 192)},
-            # round 65: the register-fed narrow FP8 form, with 2-4 staged tiles and 64- or 128-column score segments
-            "rf": {"REGISTER_FED": True},
-            **{f"rf{n}": {"REGISTER_FED": True, "REGISTER_FED_STAGES": n} for n in (2, 4)},
-            "rfs128": {"REGISTER_FED": True, "REGISTER_FED_SEG": 128},
-            # round 66: the FP8 loaders' e4m3 -> fp16 casts by integer and fp16 operations (cb1), or half of them (cb2)
-            **{f"cb{n}": {"CAST_BITS": n} for n in (0, 1, 2)},
-            **{f"rf2cb{n}": {"REGISTER_FED": True, "REGISTER_FED_STAGES": 2, "CAST_BITS": n} for n in (1, 2)}}
+            **{f"qr{n}": {"QUERY_REG_COLS": n} for n in (0, 64, 128, 192)}}
 
 
 DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params` picks on this GPU
@@ -83,7 +76,8 @@ DISPATCHED = "dispatched"  # a candidate's tile: whatever `launch.default_params
 def candidate(spec: str):
     """'16bit', 'fp8', 'fp8:m256', 'fp8:ks' (or 'ks' + a key of `SWITCHES`: 'fp8:kspf1'), 'fp8:dm256' (the dispatched
     tile with splits of at least 256 tokens), a key of `SWITCHES`
-    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...) or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
+    ('fp8:dflt', 'fp8:evl', 'fp8:cmb1', ...; with 'x' and n, the split model's splits for n programs an SM:
+    'fp8:dfltx2') or of `NARROW` ('fp8:narrow', 'fp8:narrow1', ...), optionally with
     '@' and a measurement mode of hopper.py for its runs alone ('fp8:dflt@decoupled') -> (KV kind it is
     timed on, rows bucket -> Tile, DISPATCHED or None, measurement switches for its runs): `HOPPER_TILE` [with
     min_split_tokens 256], the 4-warp launch `HOPPER_KSPLIT_TILE` ('ks', 64 rows and up; 'ksm64': with min_split_tokens
@@ -97,8 +91,8 @@ def candidate(spec: str):
         return ckind, tile_for, {**switches, "DEBUG_MODE": DEBUG_MODES[mode]}
     if rest in SWITCHES:
         return kind, lambda bucket: DISPATCHED, SWITCHES[rest]
-    if rest[-2:-1] == "x" and rest[:-2] in SWITCHES:  # the dispatched tile's splits for n programs an SM ('fp8:rf2x2')
-        return kind, lambda bucket: f"{DISPATCHED}:0:{int(rest[-1])}", SWITCHES[rest[:-2]]
+    if rest[-2:-1] == "x" and rest[:-2] in SWITCHES:  # the dispatched tile's splits for n programs an SM ('fp8:dfltx2')
+        return kind, lambda bucket: f"{DISPATCHED}::{int(rest[-1])}", SWITCHES[rest[:-2]]
     if rest.startswith("dm"):  # the dispatched tile with another minimum split ('fp8:dm256')
         return kind, lambda bucket: f"{DISPATCHED}:{int(rest[2:])}", {}
     if rest in NARROW:
@@ -210,7 +204,7 @@ def main():
             shape = dict(num_heads=heads, q_len=args.q_len, batch=batch, max_items=case.max_items, sparse=bool(topk),
                          kv_fp8=kind == "fp8", cc_major=cc_major)
             tile = default_tile(**shape)
-            tile = tile if not min_split else tile._replace(min_split_tokens=min_split)
+            tile = tile if min_split is None else tile._replace(min_split_tokens=min_split)
             return params_for(tile if per_sm is None else tile._replace(per_sm=per_sm), **shape, num_sms=sms,
                               lengths=case.lengths)
 
@@ -226,7 +220,7 @@ def main():
                 params = dispatched(torch.cuda.get_device_capability()[0])
             elif isinstance(tile, str):  # the dispatched tile with another minimum split [and programs an SM]
                 min_split, _, per_sm = tile.partition(":")[2].partition(":")
-                params = dispatched(torch.cuda.get_device_capability()[0], int(min_split),
+                params = dispatched(torch.cuda.get_device_capability()[0], int(min_split) if min_split else None,
                                     int(per_sm) if per_sm else None)
             else:
                 params = params_from_tile(tile, rows=rows, q_len=args.q_len, batch=batch,

@@ -112,10 +112,6 @@ CONSUMER_FENCE = None
 # tile's bytes (as 32-bit words) right after it stored the current one, so they are in flight while it waits for the
 # next slot (`_load_fp8_ahead`, round 59). None in production: by form, `launch.LOADER_AHEAD_FORMS`.
 LOADER_AHEAD = None
-# Measurement only (bench/hopper_dev.py): how the FP8 loaders cast e4m3 to fp16 (round 66): 0 `cvt.rn.f16x2.e4m3x2`
-# (`F2FP`), 1 integer and fp16 operations (`_e4m3_bits_to_fp16`), 2 every other chunk each way. None in production:
-# `launch.HOPPER_CAST_BITS`.
-CAST_BITS = None
 # Measurement only (bench/hopper_dev.py): how many of the query's 576 columns warpgroup 0 of the 4-warp launch keeps in
 # registers as the score wgmma's A operand (0, 64: the rope columns, or 64 + a multiple of 64 latent columns), so the
 # score MMAs read only the rest of the query from shared memory. None in production: `launch.QK1_QUERY_REG_COLS`.
@@ -240,46 +236,12 @@ def _staged_chunks(stage, half: gl.constexpr, layout: gl.constexpr):
             stage.index(half * 9 + 8).load(layout))
 
 
-# e4m3 -> fp16 without the conversion unit, for one 32-bit register of four e4m3 values: each byte is spread into
-# the low byte of a 16-bit half (`prmt`), its magnitude bits shifted up 7 (to fp16's exponent and mantissa fields: the
-# value times 2^-8, subnormals included) and its sign bit up 8, then times 256 in fp16 (exact). Every finite e4m3 value
-# comes out exact; the NaN encodings (0x7f, 0xff) come out as +-480. `$2`: the four values; `$0`, `$1`: fp16 pairs
-# (bytes 0-1, 2-3), each half the byte of the same rank.
-_E4M3_BITS_ASM = gl.constexpr(
-    "{ .reg .b32 a, m, s, z, k; mov.b32 z, 0; mov.b32 k, 0x5C005C00; "
-    "prmt.b32 a, $2, z, 0x4140; mul.lo.u32 m, a, 128; mul.lo.u32 s, a, 256; and.b32 m, m, 0x3F803F80; "
-    "and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.f16x2 $0, m, k; "
-    "prmt.b32 a, $2, z, 0x4342; mul.lo.u32 m, a, 128; mul.lo.u32 s, a, 256; and.b32 m, m, 0x3F803F80; "
-    "and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.f16x2 $1, m, k; }")
-# The same for `_words_to_fp16`'s four 16-bit outputs ($0-$3) from the word `$4`.
-_E4M3_BITS_WORD_ASM = gl.constexpr(
-    "{ .reg .b32 x, y; " + _E4M3_BITS_ASM.value.replace("$2", "$4").replace("$0", "x").replace("$1", "y")
-    + " mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }")
-
-
 @gluon.jit
-def _e4m3_bits_to_fp16(x):
-    """e4m3 values (four consecutive ones a thread, in any layout) to fp16 with integer and fp16 operations instead of
-    the conversion unit's `F2FP` (`_E4M3_BITS_ASM`)."""
-    return gl.inline_asm_elementwise(_E4M3_BITS_ASM, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _cast_e4m3(x, CAST_BITS: gl.constexpr = 0, CHUNK: gl.constexpr = 0):
-    """One e4m3 chunk to fp16: `cvt.rn.f16x2.e4m3x2` (`CAST_BITS` 0), `_e4m3_bits_to_fp16` (1), or (2) the one for
-    odd `CHUNK`s and the other for even ones, so the conversion unit and the integer and fp16 pipes share the work."""
-    if CAST_BITS == 1 or (CAST_BITS == 2 and CHUNK % 2 == 1):
-        return _e4m3_bits_to_fp16(x)
-    else:
-        return x.to(gl.float16)
-
-
-@gluon.jit
-def _cast_chunks(xs, CAST_BITS: gl.constexpr = 0):
-    """Nine e4m3 chunks cast to fp16 (`_cast_e4m3`)."""
-    return (_cast_e4m3(xs[0], CAST_BITS, 0), _cast_e4m3(xs[1], CAST_BITS, 1), _cast_e4m3(xs[2], CAST_BITS, 2),
-            _cast_e4m3(xs[3], CAST_BITS, 3), _cast_e4m3(xs[4], CAST_BITS, 4), _cast_e4m3(xs[5], CAST_BITS, 5),
-            _cast_e4m3(xs[6], CAST_BITS, 6), _cast_e4m3(xs[7], CAST_BITS, 7), _cast_e4m3(xs[8], CAST_BITS, 8))
+def _cast_chunks(xs):
+    """Nine e4m3 chunks cast to fp16 (`cvt.rn.f16x2.e4m3x2`)."""
+    return (xs[0].to(gl.float16), xs[1].to(gl.float16), xs[2].to(gl.float16), xs[3].to(gl.float16),
+            xs[4].to(gl.float16), xs[5].to(gl.float16), xs[6].to(gl.float16), xs[7].to(gl.float16),
+            xs[8].to(gl.float16))
 
 
 @gluon.jit
@@ -304,18 +266,12 @@ def _prefetch_rows(row, ok, kv_ptr):
 
 
 @gluon.jit
-def _words_to_fp16(w, BITS: gl.constexpr = False):
-    """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word or
-    (`BITS`) `_E4M3_BITS_ASM`."""
-    if BITS:
-        a, b, c, d = gl.inline_asm_elementwise(
-            _E4M3_BITS_WORD_ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-            is_pure=True, pack=1)
-    else:
-        a, b, c, d = gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
-            "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-            "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+def _words_to_fp16(w):
+    """`[rows, 16]` words of four e4m3 values each -> `[rows, 64]` fp16 (exact), two `cvt.rn.f16x2.e4m3x2` a word."""
+    a, b, c, d = gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r", [w], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
     x = gl.join(gl.join(a, c), gl.join(b, d))  # join adds the last axis: [w, i, j] = (a, c)[i] then (b, d)[i]
     return x.reshape(w.shape[0], 4 * w.shape[1])
 
@@ -324,7 +280,7 @@ def _words_to_fp16(w, BITS: gl.constexpr = False):
 def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-                    DEBUG: gl.constexpr, PREFETCH: gl.constexpr, CAST_BITS: gl.constexpr = 0):
+                    DEBUG: gl.constexpr, PREFETCH: gl.constexpr):
     """The FP8 register loader with the next tile's bytes in flight while it waits for that tile's slot (round 59, the
     forms in `launch.LOADER_AHEAD_FORMS`): loaded as 32-bit words (72 registers a thread; as e4m3 bytes LLVM keeps
     each byte in a register of its own) right after the current tile is stored; with `PREFETCH`, the L2 asked for the
@@ -349,9 +305,8 @@ def _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
         if DEBUG != 2:
             for c in gl.static_range(8):
-                k_lat.index(slot).slice(c * 64, 64, dim=1).store(
-                    _words_to_fp16(xs[c], CAST_BITS == 1 or (CAST_BITS == 2 and c % 2 == 1)))
-            k_rope.index(slot).store(_words_to_fp16(xs[8], CAST_BITS == 1))
+                k_lat.index(slot).slice(c * 64, 64, dim=1).store(_words_to_fp16(xs[c]))
+            k_rope.index(slot).store(_words_to_fp16(xs[8]))
             fence_async_shared()
         mbarrier.arrive(full_bars.index(slot))
         xs = _load_chunks(row, ok & (DEBUG != 2) & (t + 1 < n_tiles), cols, 16)
@@ -367,7 +322,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                     k_lat, k_rope, full_bars, empty_bars,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, SPARSE: gl.constexpr,
                     KV_FP8: gl.constexpr, DEBUG: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False, CAST_BITS: gl.constexpr = 0):
+                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -384,7 +339,7 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
     if KV_FP8 and AHEAD:
         gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
         _load_fp8_ahead(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, k_lat, k_rope,
-                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG, PREFETCH, CAST_BITS)
+                        full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, DEBUG, PREFETCH)
         return
     if KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
@@ -404,8 +359,8 @@ def _load_partition(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stri
                 # (device calls 79-81, same process, bench/TRITON_NOTES.md round 21).
                 xs = _load_chunks(row, ok, cols)
                 for c in gl.static_range(8):
-                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(_cast_e4m3(xs[c], CAST_BITS, c))
-                k_rope.index(slot).store(_cast_e4m3(xs[8], CAST_BITS, 8))
+                    k_lat.index(slot).slice(c * 64, 64, dim=1).store(xs[c].to(gl.float16))
+                k_rope.index(slot).store(xs[8].to(gl.float16))
                 fence_async_shared()
             mbarrier.arrive(full_bars.index(slot))
         else:
@@ -437,7 +392,7 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
                            k_lat, k_rope, stage, full_bars, empty_bars,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
                            SPARSE: gl.constexpr, DEBUG: gl.constexpr, FIRST_HALF: gl.constexpr = 0,
-                           N_HALVES: gl.constexpr = 2, CAST_BITS: gl.constexpr = 0):
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile
     (one loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the
     e4m3 bytes go to a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of
@@ -468,10 +423,10 @@ def _load_partition_staged(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, en
             elif DEBUG == 9:  # (measurement) the read-back, casts and stores alone (written as call 167 ran it)
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0),
-                              _cast_chunks(_staged_chunks(stage, j, layout), CAST_BITS))
+                              _cast_chunks(_staged_chunks(stage, j, layout)))
             elif DEBUG != 2:
                 async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
-                xs = _cast_chunks(_staged_chunks(stage, j, layout), CAST_BITS)
+                xs = _cast_chunks(_staged_chunks(stage, j, layout))
                 _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
                 _store_chunks(k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                               k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
@@ -904,7 +859,7 @@ def _mla_hopper_kernel(
     DEBUG: gl.constexpr = 0, N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1,
     KSPLIT: gl.constexpr = False, MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False,
     QUERY_IN_CONSUMER: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True,
-    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0, CAST_BITS: gl.constexpr = 0,
+    LOADER_AHEAD: gl.constexpr = False, QUERY_REG_COLS: gl.constexpr = 0,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -977,10 +932,10 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1, CAST_BITS)),
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 1)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1, CAST_BITS))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 1, 1))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
     elif N_ROWS < ROWS and KV_FP8:
         gl.warp_specialize([
@@ -992,7 +947,7 @@ def _mla_hopper_kernel(
                                      FENCE_SLOTS, PARTIAL_EVICT_LAST)),
             (_load_partition_staged, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp,
                                       stride_kvt, k_lat, k_rope, stage, full_bars, empty_bars, BLOCK_N, STAGES,
-                                      PAGE_SIZE, SPARSE, LOADER_DEBUG, 0, 2, CAST_BITS))],
+                                      PAGE_SIZE, SPARSE, LOADER_DEBUG))],
             [LOAD_WARPS], [LOAD_REGS])
     elif N_ROWS < ROWS:
         gl.warp_specialize([
@@ -1033,7 +988,7 @@ def _mla_hopper_kernel(
                                   FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_REG_COLS)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD, CAST_BITS))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
             [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -1045,5 +1000,5 @@ def _mla_hopper_kernel(
                               PARTIAL_EVICT_LAST)),
             (_load_partition, (kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt,
                                k_lat, k_rope, full_bars, empty_bars, BLOCK_N, STAGES, PAGE_SIZE, SPARSE, KV_FP8,
-                               LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD, CAST_BITS))],
+                               LOADER_DEBUG, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
             [LOAD_WARPS], [LOAD_REGS])

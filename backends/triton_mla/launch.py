@@ -675,22 +675,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     form = hopper_form(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                        splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache))
-    if REGISTER_FED and form["KV_FP8"] and form["N_ROWS"] < HOPPER_SHAPE[0]:
-        from mla_tune.backends.triton_mla import regfed
-
-        return regfed._mla_regfed_kernel[grid](*args, **common, N_ROWS=params.block_h, STAGES=REGISTER_FED_STAGES,
-                                               EVICT_LAST=form["PARTIAL_EVICT_LAST"], SEG=REGISTER_FED_SEG,
-                                               CAST_BITS=form["CAST_BITS"], num_warps=4)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
-
-
-# Measurement only (bench/hopper_dev.py): True runs the narrow FP8 form as `regfed._mla_regfed_kernel` (round 65: one
-# warpgroup reads the staged e4m3 bytes straight into wgmma's A registers), with that many staged tiles and score
-# segments of that many columns. None in production.
-REGISTER_FED = None
-REGISTER_FED_STAGES = 3
-REGISTER_FED_SEG = 64
 
 
 # Forms of the Hopper kernel (form, KV kind, dense / sparse) whose query every warp loads before the partitions start;
@@ -774,12 +760,7 @@ def hopper_form(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int
         QUERY_IN_CONSUMER=_switched("QUERY_IN_CONSUMER", form not in QUERY_BEFORE_PARTITIONS),
         L2_PREFETCH=_switched("L2_PREFETCH", form in L2_PREFETCH_FORMS),
         CONSUMER_FENCE=_switched("CONSUMER_FENCE", HOPPER_CONSUMER_FENCE), LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0,
-        CAST_BITS=_switched("CAST_BITS", HOPPER_CAST_BITS) if kv_fp8 else 0)
-
-
-# How the FP8 loaders cast e4m3 to fp16 (`hopper.CAST_BITS`): 0, the conversion unit (`cvt.rn.f16x2.e4m3x2`).
-HOPPER_CAST_BITS = 0
+        QUERY_REG_COLS=_switched("QUERY_REG_COLS", QK1_QUERY_REG_COLS.get(form, 0)) if ksplit else 0)
 
 
 # Registers of the 4-warp launch's second MMA warpgroup (`hopper._mma_partition_qk1`: its 64 x 256 accumulator and
