@@ -23,6 +23,13 @@ def test_a_dm_candidate_is_the_dispatched_tile_with_another_minimum_split():
     assert kind == "16bit" and tile_for(16) == tile_for(128) == f"{dev.DISPATCHED}:256" and switches == {}
 
 
+def test_an_x_suffix_gives_the_dispatched_tile_the_splits_for_n_programs_an_sm():
+    dev = load("hopper_dev")
+    kind, tile_for, switches = dev.candidate("16bit:qr128x2")
+    assert kind == "16bit" and tile_for(64) == f"{dev.DISPATCHED}::2" and switches == {"QUERY_REG_COLS": 128}
+    assert dev.candidate("fp8:dfltx3")[1](16) == f"{dev.DISPATCHED}::3"
+
+
 def test_the_dev_tools_time_a_shapes_kernels_together_round_robin():
     # `triton_dev.time_steps` (what hopper_dev times a shape's captured graphs with) goes through
     # `tuner.timing.time_interleaved`: every kernel gets the same number of replays, and they alternate in a rotating
