@@ -153,7 +153,14 @@ def device_l2_bytes(device=None) -> int:
 
 
 class GraphStep:
-    """A captured CUDA graph; calling it replays `iterations_per_replay` decode steps."""
+    """A captured CUDA graph; calling it replays `iterations_per_replay` decode steps.
+
+    `keepalive` holds what the graph's kernels read and write: the captured step's results and the step itself, so
+    the prepared backend it closes over (its workspaces, FlashInfer's plan buffers) lives as long as the graph. A
+    caller that drops its own reference to the backend after capture must not leave the graph replaying freed memory
+    (bench/hopper_dev.py did: FlashInfer's sparse graphs then read 3.1 us or failed with cudaErrorInvalidAddressSpace,
+    device calls 283-284).
+    """
 
     def __init__(self, graph, iterations_per_replay: int, keepalive):
         self.graph = graph
@@ -217,7 +224,7 @@ def capture_graph(step: Callable[[], object], *, iterations_per_replay: int = 1,
         if repeats > 1:
             del graph, keep
             graph, keep = _capture(step, repeats)
-    return GraphStep(graph, iterations_per_replay * repeats, keep)
+    return GraphStep(graph, iterations_per_replay * repeats, (keep, step))
 
 
 def _converged(samples: list[float], rel_ci_target: float, min_samples: int) -> bool:

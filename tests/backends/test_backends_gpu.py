@@ -120,3 +120,43 @@ def test_reference_runs_on_gpu_like_on_cpu():
                                      kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices.cpu())
     torch.testing.assert_close(gpu_out.cpu(), cpu_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gpu_lse.cpu(), cpu_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["TRITON_MLA_SPARSE", "FLASHINFER_FA3_MLA_SPARSE"])
+def test_a_captured_graph_keeps_the_backend_it_replays_alive(name):
+    # bench/hopper_dev.py kept only the graph of each backend it timed; its FlashInfer sparse graphs then replayed
+    # freed plan buffers (3.1 us readings, cudaErrorInvalidAddressSpace; device calls 283-284).
+    import gc
+    import weakref
+
+    import torch
+
+    from mla_tune.backends.inputs import clone_data, make_inputs
+    from mla_tune.backends.reference import TorchReference
+    from mla_tune.backends.registry import load_adapter
+    from mla_tune.tuner.gate import check_output
+
+    problem = _problem(128, "bf16", 2048, 1)
+    _eligible_or_skip(name, problem)
+    inputs = make_inputs(problem, Shape(4, 32768), device="cuda", seed=4, ragged=False)
+    ref_out, ref_lse = TorchReference().prepare(problem, inputs).run(inputs)
+    prepared = load_adapter(name)().prepare(problem, inputs)
+    out, lse = prepared.run(inputs)
+    graph = _graph_of(prepared, clone_data(inputs, 2))
+    alive = weakref.ref(prepared)
+    del prepared
+    gc.collect()
+    assert alive() is not None, "the graph outlived the backend it replays"
+    load_adapter(name)().prepare(problem, inputs)  # another backend's buffers, allocated after the first's
+    out.zero_()
+    graph()
+    torch.cuda.synchronize()
+    verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
+    assert verdict.ok, f"{name} after the graph outlived its caller's reference: {verdict.reason}"
+
+
+def _graph_of(prepared, sets):
+    """A CUDA graph of `prepared` over `sets`, as bench/hopper_dev.py made them: the caller keeps only the graph."""
+    from mla_tune.tuner.timing import capture_graph
+
+    return capture_graph(lambda: [prepared.run(s) for s in sets], iterations_per_replay=len(sets), min_replay_ms=0)
