@@ -32,8 +32,10 @@ def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype,
     A store that cannot be read is a warning on stderr, never a failure: the
     static choice is printed and the exit status is 0.
 
-    With --engine, the answer is the best-scoring backend among those the
-    engine has (the tuned winner when the engine has it).
+    --format vllm/sglang and --engine name the fastest timed backend that the
+    engine runs under that name: our own kernels only where mla-tune's vLLM
+    plugin is installed (run it in the engine's environment). With nothing
+    tuned they print no flag, so the engine makes its own choice.
 
     Example: vllm serve deepseek-ai/DeepSeek-V3 $(mla-tune lookup --heads 16 --kv-cache-dtype fp8 --format vllm)
     """
@@ -61,18 +63,17 @@ def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype,
     for text in choice.warnings:
         warn(f"{text}; using vLLM's static choice")
     ranked = None
+    engine = engine or (fmt if fmt in ENGINES else None)
     if engine:
-        from mla_tune.engines import choice_for_engine
+        from mla_tune.engines import choice_for_engine, vllm_plugin_missing
 
-        ranked = choice_for_engine(choice, engine)
+        missing = vllm_plugin_missing() if engine == "vllm" else "not vLLM"
+        ranked = choice_for_engine(choice, engine, plugin_missing=missing)
     render(choice, fmt, ranked)
 
 
 def render(choice, fmt: str, ranked=None) -> None:
     """Print `choice` in one of FORMATS; `ranked` is the `EngineChoice` when an engine was named."""
-    from mla_tune.backends.registry import BACKENDS
-
-    info = BACKENDS[choice.backend]
     if fmt == "json":
         data = choice.to_dict()
         if ranked is not None:
@@ -80,31 +81,19 @@ def render(choice, fmt: str, ranked=None) -> None:
                               "engine_backend": ranked.engine_backend, "score": ranked.score,
                               "basis": ranked.basis, "reason": ranked.reason}
         print_json(data)
-    elif fmt in ("vllm", "sglang") and ranked is not None and ranked.basis in ("winner", "ranked"):
-        click.echo(f"--attention-backend {ranked.engine_backend}")
-        if ranked.basis == "ranked":
-            click.echo(f"mla-tune: {ranked.reason}", err=True)
-        if BACKENDS[ranked.backend].engine_caveat:
-            click.echo(f"mla-tune: note: {BACKENDS[ranked.backend].engine_caveat}", err=True)
     elif fmt in ("vllm", "sglang"):
-        engine_name = info.vllm_name if fmt == "vllm" else info.sglang_name
-        engine = "vLLM" if fmt == "vllm" else "SGLang"
-        if choice.source != "tuned":
-            # Forcing the static choice gains nothing and can break: with --attention-backend vLLM has no
-            # fallback, and it knows better than we do which kernels its own environment has.
-            click.echo(f"mla-tune: nothing tuned for this key ({choice.why}); printing no flag, so {engine} "
-                       f"makes its own choice (vLLM's static priority gives {choice.backend})", err=True)
-        elif engine_name:
-            click.echo(f"--attention-backend {engine_name}")
-            if info.engine_caveat:
-                click.echo(f"mla-tune: note: {info.engine_caveat}", err=True)
+        if ranked.engine_backend:
+            click.echo(f"--attention-backend {ranked.engine_backend}")
+            click.echo(f"mla-tune: {ranked.reason}", err=True)
         else:
-            click.echo(f"mla-tune: the tuned backend {choice.backend} has no {engine} equivalent; printing no "
-                       f"flag, so {engine} makes its own choice", err=True)
+            click.echo(f"mla-tune: printing no flag: {ranked.reason}", err=True)
     elif fmt == "env":
+        from mla_tune.engines import choice_for_engine, vllm_plugin_missing
+
         values = {"MLA_TUNE_BACKEND": choice.backend, "MLA_TUNE_SOURCE": choice.source,
-                  "MLA_TUNE_VLLM_BACKEND": info.vllm_name or "",
-                  "MLA_TUNE_SGLANG_BACKEND": info.sglang_name or ""}
+                  "MLA_TUNE_VLLM_BACKEND": choice_for_engine(choice, "vllm", plugin_missing=vllm_plugin_missing())
+                  .engine_backend or "",
+                  "MLA_TUNE_SGLANG_BACKEND": choice_for_engine(choice, "sglang").engine_backend or ""}
         if ranked is not None:
             values["MLA_TUNE_ENGINE_BACKEND"] = ranked.engine_backend or ""
         click.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in values.items()))

@@ -29,10 +29,12 @@ def staleness(decisions, current) -> list[list[str]]:
 
 
 def decision_rows(decisions, current=None) -> list[list[str]]:
-    """Table rows (GPU SKU, key, winner, margin, static choice, anomalies, software, when) for `decisions`.
+    """Table rows (GPU SKU, key, winner, margin, static choice, what vLLM gets, anomalies, software, when).
 
     `current` is the software to judge staleness against (default: this process's).
     """
+    from mla_tune.backends.engine_names import vllm_regret
+
     stale = staleness(decisions, current if current is not None else current_software())
     rows = []
     for d, problems in zip(decisions, stale):
@@ -41,13 +43,13 @@ def decision_rows(decisions, current=None) -> list[list[str]]:
         if d.kept_static:
             static += " (kept: within noise)"
         software = f"STALE: {'; '.join(problems)}" if problems else "current"
-        rows.append([d.key.sku, d.key.label, d.winner, margin, static,
+        rows.append([d.key.sku, d.key.label, d.winner, margin, static, vllm_regret(d),
                      "; ".join(d.anomalies) or "-", software, d.decided_at or "-"])
     return rows
 
 
-DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", "anomalies", "software",
-                    "decided at"]
+DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", "vLLM gets", "anomalies",
+                    "software", "decided at"]
 
 
 @click.command()

@@ -140,7 +140,8 @@ def print_report(report, decisions) -> None:
 
 
 def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
-    from mla_tune.tuner.presets import DEFAULT_KV_CACHE_DTYPES, DEFAULT_TPS, SpecError, TuneSpec, load_workload
+    from mla_tune.tuner.presets import (DEFAULT_KV_CACHE_DTYPES, DEFAULT_MODELS, DEFAULT_TPS, SpecError, TuneSpec,
+                                        load_workload)
 
     if quick and thorough:
         raise click.UsageError("--quick and --thorough are mutually exclusive")
@@ -148,7 +149,7 @@ def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
         profile = load_workload(workload) if workload else None
     except SpecError as exc:
         raise click.UsageError(str(exc)) from None
-    models = _str_list(model) or ("deepseek-v3",)
+    models = _str_list(model) or DEFAULT_MODELS
     kvs = _str_list(kv_cache_dtype) or DEFAULT_KV_CACHE_DTYPES
     if kv_cache_dtype is not None and not _str_list(kv_cache_dtype):
         raise click.BadParameter("empty list", param_hint="'--kv-cache-dtype'")
@@ -161,7 +162,7 @@ def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
 @click.command()
 @click.option("--model", metavar="PRESET[,PRESET]",
               help="Model preset(s): deepseek-v3, deepseek-r1, deepseek-v3.2, kimi-k2, deepseek-v2-lite, "
-                   "glm-5, or custom:RANK/ROPE/NOPE/V[:topk=N][:heads=N]. Default deepseek-v3.")
+                   "glm-5, or custom:RANK/ROPE/NOPE/V[:topk=N][:heads=N]. Default deepseek-v3,deepseek-v3.2.")
 @click.option("--tp", metavar="LIST", help="Tensor-parallel sizes to sweep (heads per rank = heads / TP). "
                                             "Default 1,2,4,8.")
 @click.option("--heads", metavar="LIST", help="Heads per rank to tune instead of the TP sweep, e.g. 16,64.")

@@ -1,57 +1,42 @@
-"""Our backend names mapped to each serving engine's, and the best backend an engine has.
+"""What to hand a serving engine: the fastest backend it runs under its own name, never another kernel.
 
-The mapping is data: the registry's `vllm_name` and `sglang_name` fields
-(`mla_tune.backends.registry.BACKENDS`). This module reads them, renders the
-table for the docs, and ranks the stored scores of a decision by engine, so a
-lookup can answer "the fastest backend vLLM can actually run" when the overall
-winner is one of ours (for example `FLASHINFER_FA3_MLA`, which vLLM has no
-name for).
-
-The table itself is in docs/fleet.md (a test keeps it equal to
-`engine_table_markdown()`).
+A decision keeps the fastest kernel overall (`winner`) and, per engine, the fastest backend whose timed
+kernel is the one the engine runs under that name (`Decision.engine_best`, from the registry's
+`vllm_name` / `sglang_name`). Our own kernels reach vLLM only through our plugin, so they are handed to
+vLLM only where the plugin is installed. The name mapping is data in the registry; docs/fleet.md shows it
+(a test keeps it equal to `engine_table_markdown()`).
 
 Importing this module loads no torch, triton or flashinfer.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mla_tune.backends.engine_names import ENGINES, check_engine, engine_name, rank_for_engine
 from mla_tune.backends.registry import BACKENDS
 
-ENGINES = ("vllm", "sglang")
-_ENGINE_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
+__all__ = ["ENGINES", "EngineChoice", "choice_for_engine", "choose_for_engine", "decision_for_engine",
+           "engine_backends", "engine_name", "engine_table", "engine_table_markdown", "rank_for_engine",
+           "vllm_plugin_missing"]
 
-
-def _check_engine(engine: str) -> str:
-    name = str(engine).strip().lower()
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    return name
-
-
-def engine_name(backend: str, engine: str) -> str | None:
-    """The engine's own name for our `backend`, or None when the engine does not have it.
-
-    Raises:
-        ValueError: unknown engine or backend name.
-    """
-    engine = _check_engine(engine)
-    info = BACKENDS.get(str(backend).strip().upper())
-    if info is None:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
-    return info.vllm_name if engine == "vllm" else info.sglang_name
+_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_ENTRY = "mla_tune"
 
 
 def engine_backends(engine: str) -> dict[str, str]:
-    """{our name: engine's name} for every backend `engine` has, in registry order."""
+    """{our name: engine's name} for every backend `engine` runs under its own name, in registry order."""
     return {name: mapped for name in BACKENDS if (mapped := engine_name(name, engine))}
 
 
 def engine_table() -> list[tuple[str, str | None, str | None]]:
-    """Rows (ours, vLLM name, SGLang name) for every registry entry that may win."""
-    return [(name, info.vllm_name, info.sglang_name)
+    """Rows (ours, vLLM name, SGLang name) for every registry entry that may win; the vLLM column gives
+    the plugin's name for our own kernels."""
+    return [(name, engine_name(name, "vllm", with_plugin=True), info.sglang_name)
             for name, info in BACKENDS.items() if info.capabilities.candidate]
 
 
@@ -60,8 +45,27 @@ def engine_table_markdown() -> str:
     lines = ["| ours | vLLM `--attention-backend` | SGLang `--attention-backend` |",
              "|---|---|---|"]
     for ours, vllm, sglang in engine_table():
-        lines.append(f"| `{ours}` | {f'`{vllm}`' if vllm else '-'} | {f'`{sglang}`' if sglang else '-'} |")
+        plugin = " (mla-tune's vLLM plugin)" if vllm and not BACKENDS[ours].vllm_name else ""
+        lines.append(f"| `{ours}` | {f'`{vllm}`{plugin}' if vllm else '-'} | {f'`{sglang}`' if sglang else '-'} |")
     return "\n".join(lines)
+
+
+def vllm_plugin_missing() -> str | None:
+    """Why mla-tune's vLLM plugin cannot serve our kernels in this environment, or None when it can.
+
+    It needs vLLM importable and our `vllm.general_plugins` entry point installed beside it; run this in
+    the engine's environment (its image, its virtual environment).
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed in this environment, so mla-tune's vLLM plugin cannot register our kernels"
+    try:
+        points = importlib.metadata.entry_points(group=PLUGIN_GROUP)
+    except Exception as exc:  # noqa: BLE001 - broken metadata must not break a lookup
+        return f"the installed packages' entry points cannot be read ({type(exc).__name__}: {exc})"
+    if not any(point.name == PLUGIN_ENTRY for point in points):
+        return (f"mla-tune's vLLM plugin (entry point {PLUGIN_ENTRY!r} of {PLUGIN_GROUP}) is not installed "
+                f"beside vLLM here")
+    return None
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,15 @@ class EngineChoice:
     """The backend to hand an engine, and why.
 
     Attributes:
-        backend: our name, or None when the engine has none of the scored backends.
+        engine: "vllm" or "sglang".
+        backend: our name, or None when nothing tuned can be handed to the engine.
         engine_backend: the engine's name for it (what goes after `--attention-backend`).
         score: its stored score (1.0 = best at every shape), None when not scored.
-        basis: "winner" (the decision's winner, which the engine has), "ranked" (the
-            best-scoring backend among those the engine has), "static" (the static
-            choice, not measured but known to the engine), or "none".
-        reason: one sentence for people.
+        basis: "winner" (the fastest kernel overall, which the engine runs), "engine_best" (the fastest
+            backend the engine runs, slower than the overall winner), "static" (nothing tuned: the engine
+            chooses), "stale" (the decision never timed the engine's own kernels) or "none".
+        reason: one sentence for people, with how far this is from the fastest kernel and from the
+            engine's static choice.
     """
 
     engine: str
@@ -86,70 +92,81 @@ class EngineChoice:
     reason: str
 
 
-def rank_for_engine(scores: Mapping[str, float], engine: str) -> list[tuple[str, str, float]]:
-    """(ours, engine's name, score) for every scored backend the engine has, best first.
-
-    Ties break on our name so that every rank of a cluster reads the same order.
-    Unknown names and non-finite scores are ignored.
-    """
-    engine = _check_engine(engine)
-    ranked = []
-    for backend, score in scores.items():
-        info = BACKENDS.get(backend)
-        if info is None or score is None or not (score == score) or score == float("inf"):
-            continue
-        mapped = info.vllm_name if engine == "vllm" else info.sglang_name
-        if mapped:
-            ranked.append((backend, mapped, float(score)))
-    return sorted(ranked, key=lambda row: (row[2], row[0]))
+def _versus_static(title: str, backend: str, score: float, static_choice: str | None,
+                   scores: Mapping[str, float]) -> str:
+    static = scores.get(static_choice) if static_choice else None
+    if not static_choice or static_choice == backend:
+        return f"; it is also {title}'s static choice" if static_choice else ""
+    if static is None:
+        return f"; {title}'s static choice {static_choice} was not timed"
+    return f"; {title}'s static choice {static_choice} takes {static / score:.2f}x its time"
 
 
 def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
-                      static_choice: str | None = None) -> EngineChoice:
-    """Pick the backend to give `engine` from one decision's winner and stored scores.
+                      engine_best: Mapping[str, str] | None, static_choice: str | None = None,
+                      plugin_missing: str | None = "not checked") -> EngineChoice:
+    """Pick the backend to hand `engine` from one tuned decision.
 
     Args:
-        winner: the decision's winner (our name).
-        scores: backend -> score (weighted geometric mean of time / per-shape best).
+        winner: the decision's fastest kernel overall (our name).
+        scores: backend -> score (weighted geometric mean of time / per-shape best; 1.0 = best).
         engine: "vllm" or "sglang".
-        static_choice: vLLM's static-priority choice for the key, used only when
-            none of the engine's backends was scored.
+        engine_best: the decision's {engine: backend}; None for a decision that never timed the engines'
+            own kernels, which is then never handed to an engine.
+        static_choice: vLLM's static choice for the key, for the reason's comparison.
+        plugin_missing: why mla-tune's vLLM plugin cannot serve our kernels where the engine runs, None
+            when it can (see `vllm_plugin_missing`).
     """
-    engine = _check_engine(engine)
-    title = _ENGINE_TITLES[engine]
-    mapped = engine_name(winner, engine) if winner in BACKENDS else None
-    if mapped:
-        return EngineChoice(engine, winner, mapped, scores.get(winner), "winner",
-                            f"{title} has the tuned winner {winner} as {mapped}.")
-    ranked = rank_for_engine(scores, engine)
-    if ranked:
-        best, best_mapped, score = ranked[0]
-        return EngineChoice(engine, best, best_mapped, score, "ranked",
-                            f"{title} has no backend for the tuned winner {winner}; the best-scoring "
-                            f"backend it has is {best} (score {score:.3f} against {scores.get(winner, 1.0):.3f}).")
-    if static_choice and static_choice in BACKENDS and engine_name(static_choice, engine):
-        return EngineChoice(engine, static_choice, engine_name(static_choice, engine), None, "static",
-                            f"{title} has none of the measured backends "
-                            f"({', '.join(sorted(scores)) or 'none'}); keeping its static choice {static_choice}.")
-    return EngineChoice(engine, None, None, None, "none",
-                        f"{title} has none of the measured backends ({', '.join(sorted(scores)) or 'none'}) "
-                        f"and no static choice is known; let the engine choose.")
+    engine = check_engine(engine)
+    title = _TITLES[engine]
+    if engine_best is None:
+        return EngineChoice(engine, None, None, None, "stale",
+                            f"the tuned decision was made before mla-tune timed {title}'s own kernels (its "
+                            f"{winner} may not be the kernel {title} runs under that name); re-run `mla-tune` "
+                            f"to tune again; {title} makes its own choice")
+    fastest = scores.get(winner)
+    plugin_name = engine_name(winner, engine, with_plugin=True)
+    if engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name and plugin_missing is None:
+        return EngineChoice(engine, winner, plugin_name, fastest, "winner",
+                            f"the fastest kernel {winner} runs in vLLM through mla-tune's plugin as {plugin_name}"
+                            + _versus_static(title, winner, fastest or 1.0, static_choice, scores))
+    best = engine_best.get(engine)
+    if best is None or best not in BACKENDS or engine_name(best, engine) is None:
+        return EngineChoice(engine, None, None, None, "none",
+                            f"{title} runs none of the timed backends under its own name; {title} makes its "
+                            f"own choice")
+    score = scores.get(best)
+    mapped = engine_name(best, engine)
+    if best == winner:
+        return EngineChoice(engine, best, mapped, score, "winner",
+                            f"{title} runs the fastest kernel {best} as {mapped}"
+                            + _versus_static(title, best, score or 1.0, static_choice, scores))
+    ratio = f"{score / fastest:.2f}x" if score and fastest else "an unknown multiple of"
+    plugin = ""
+    if engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name:
+        plugin = f" ({winner} needs mla-tune's vLLM plugin: {plugin_missing})"
+    return EngineChoice(engine, best, mapped, score, "engine_best",
+                        f"{title}'s fastest own backend is {best}, {ratio} the time of the fastest kernel "
+                        f"{winner}{plugin}" + _versus_static(title, best, score or 1.0, static_choice, scores))
 
 
-def decision_for_engine(decision, engine: str) -> EngineChoice:
+def decision_for_engine(decision, engine: str, *, plugin_missing: str | None = "not checked") -> EngineChoice:
     """`choose_for_engine` applied to a stored `Decision`."""
     return choose_for_engine(winner=decision.winner, scores=decision.scores, engine=engine,
-                             static_choice=decision.static_choice)
+                             engine_best=decision.engine_best, static_choice=decision.static_choice,
+                             plugin_missing=plugin_missing)
 
 
-def choice_for_engine(choice, engine: str) -> EngineChoice:
-    """What to hand `engine` for a `mla_tune.Choice`: the tuned winner, the best backend the
-    engine has by stored score, or, for a fallback answer, vLLM's static choice."""
-    engine = _check_engine(engine)
+def choice_for_engine(choice, engine: str, *, plugin_missing: str | None = "not checked") -> EngineChoice:
+    """What to hand `engine` for a `mla_tune.Choice`: for a tuned answer the fastest backend the engine
+    runs (our kernel through the plugin where `plugin_missing` is None); for a fallback, nothing: the
+    engine makes its own static choice, which is the fallback's answer."""
+    engine = check_engine(engine)
     if choice.source != "tuned":
-        mapped = engine_name(choice.backend, engine)
-        return EngineChoice(engine, choice.backend if mapped else None, mapped, None, "static",
-                            f"nothing tuned; the static choice is {choice.backend}"
-                            + ("" if mapped else f", which {_ENGINE_TITLES[engine]} does not have") + ".")
+        return EngineChoice(engine, None, None, None, "static",
+                            f"nothing tuned ({choice.why}); {_TITLES[engine]} makes its own choice "
+                            f"(vLLM's static priority gives {choice.backend})")
+    engine_best = None if choice.engine_best is None else dict(choice.engine_best)
     return choose_for_engine(winner=choice.backend, scores=dict(choice.scores), engine=engine,
-                             static_choice=choice.static_choice)
+                             engine_best=engine_best, static_choice=choice.static_choice,
+                             plugin_missing=plugin_missing)

@@ -57,6 +57,8 @@ class Choice:
         decided_at: when the tuned decision was made (ISO 8601, UTC).
         scores: {backend: score} of a tuned decision (1.0 = best at every shape); empty for a fallback.
         warnings: store problems met on the way (already logged once).
+        engine_best: {engine: the fastest backend that engine runs under its own name} of a tuned
+            decision; None for a fallback, or for a decision that never timed the engines' own kernels.
     """
 
     backend: str
@@ -70,6 +72,7 @@ class Choice:
     decided_at: str = ""
     scores: types.MappingProxyType = field(default_factory=lambda: types.MappingProxyType({}))
     warnings: tuple[str, ...] = ()
+    engine_best: types.MappingProxyType | None = None
 
     def to_dict(self) -> dict:
         """Plain JSON-ready values (reasons as lists)."""
@@ -77,7 +80,8 @@ class Choice:
                 "reasons": {name: list(texts) for name, texts in self.reasons.items()},
                 "why": self.why, "key": dict(self.key), "static_choice": self.static_choice,
                 "runner_up": self.runner_up, "margin": self.margin, "decided_at": self.decided_at,
-                "scores": dict(self.scores), "warnings": list(self.warnings)}
+                "scores": dict(self.scores), "warnings": list(self.warnings),
+                "engine_best": None if self.engine_best is None else dict(self.engine_best)}
 
 
 _MEMO: dict = {}
@@ -371,7 +375,9 @@ def _tuned_choice(decision, key, problem, spec, vllm_choice) -> Choice:
                   key=types.MappingProxyType(decision.key.to_dict()),
                   static_choice=decision.static_choice or vllm_choice, runner_up=decision.runner_up,
                   margin=decision.margin, decided_at=decision.decided_at,
-                  scores=types.MappingProxyType(dict(decision.scores)))
+                  scores=types.MappingProxyType(dict(decision.scores)),
+                  engine_best=None if decision.engine_best is None
+                  else types.MappingProxyType(dict(decision.engine_best)))
 
 
 @dataclass(frozen=True)
@@ -394,7 +400,7 @@ class TileChoice:
 
 def kernel_tile(num_heads, kv_cache_dtype, *, batch_size, kv_len, device=None, sparse=False, db=None,
                 page_size=64, query_dtype="bf16", topk=None, geometry=None, q_len=1) -> TileChoice:
-    """The tuned launch tile of TRITON_MLA (TRITON_MLA_SPARSE when sparse) for a batch shape on a GPU.
+    """The tuned launch tile of MLA_TUNE_TRITON (MLA_TUNE_TRITON_SPARSE when sparse) for a batch shape on a GPU.
 
     `mla-tune` refines our Triton kernel per device: at each shape it times the default tile and a few
     alternatives (`launch.candidate_tiles`) and stores the fastest correct one with the measurement. This
@@ -423,7 +429,7 @@ def _compute_tile(num_heads, kv_cache_dtype, *, batch_size, kv_len, device, spar
     problem, info, key = _resolve(num_heads, kv_cache_dtype, device=device, sparse=sparse, db=db,
                                   page_size=page_size, query_dtype=query_dtype, topk=topk, geometry=geometry,
                                   q_len=q_len)
-    backend = "TRITON_MLA_SPARSE" if problem.sparse else "TRITON_MLA"
+    backend = "MLA_TUNE_TRITON_SPARSE" if problem.sparse else "MLA_TUNE_TRITON"
     try:
         from mla_tune.store.readonly import find_tiles
 

@@ -106,6 +106,7 @@ def decision_values(d: Decision) -> dict[str, Any]:
             "per_shape": [{**asdict(s), "median_ms": float(s.median_ms)} for s in d.per_shape],
             "anomalies": list(d.anomalies),
             "failures": dict(d.failures), "gpu_uuids": list(d.gpu_uuids),
+            "engine_best": None if d.engine_best is None else dict(d.engine_best),
             "decided_at": d.decided_at})
 
 
@@ -118,4 +119,13 @@ def decision_from(row: Mapping[str, Any], fingerprint: SoftwareFingerprint) -> D
                     per_shape=tuple(ShapeWinner(**s) for s in _json(row["per_shape"])),
                     anomalies=tuple(_json(row["anomalies"])),
                     failures=dict(_json(row["failures"])), fingerprint=fingerprint,
-                    gpu_uuids=tuple(_json(row["gpu_uuids"])), decided_at=row["decided_at"])
+                    gpu_uuids=tuple(_json(row["gpu_uuids"])), decided_at=row["decided_at"],
+                    engine_best=_engine_best(row.get("engine_best")))
+
+
+def _engine_best(value: Any) -> dict[str, str] | None:
+    """{engine: backend} from the `engine_best` column; None when absent (a decision from before it)."""
+    value = _json(value)
+    if not isinstance(value, dict):
+        return None
+    return {str(k): str(v) for k, v in value.items() if isinstance(v, str)}

@@ -186,6 +186,8 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     if version == 1:  # before measurements had `params`: checksummed as written, then read as null
         for m in _records(document, "measurements"):
             m.setdefault("params", None)
+    if version < 3:
+        rename_legacy_backends(document)
     try:
         check(document, DOCUMENT, "export")
         _check_references(document["content"])
@@ -194,6 +196,36 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     except RecursionError:
         raise fail(MAX_DEPTH_ERROR) from None
     return document
+
+
+# Before schema 3, our Triton kernels were stored under vLLM's Triton backend name.
+LEGACY_NAMES = {"TRITON_MLA": "MLA_TUNE_TRITON", "TRITON_MLA_SPARSE": "MLA_TUNE_TRITON_SPARSE"}
+
+
+def rename_legacy_backends(document: dict) -> None:
+    """Give a schema 1-2 file's measurements and decisions of our kernels their own names, in place.
+
+    A decision's static choice stays vLLM's name, but a score it had was our kernel's and is dropped;
+    `engine_best` is null: those decisions never timed the engines' own kernels.
+    """
+    def renamed(name):
+        return LEGACY_NAMES.get(name, name) if isinstance(name, str) else name
+
+    for m in _records(document, "measurements"):
+        m["backend"] = renamed(m.get("backend"))
+    for d in _records(document, "decisions"):
+        for field in ("winner", "runner_up"):
+            d[field] = renamed(d.get(field))
+        for field in ("scores", "failures"):
+            if isinstance(d.get(field), dict):
+                d[field] = {renamed(k): v for k, v in d[field].items()}
+        if isinstance(d.get("per_shape"), list):
+            for row in d["per_shape"]:
+                if isinstance(row, dict):
+                    row["backend"] = renamed(row.get("backend"))
+        if d.get("static_choice") in LEGACY_NAMES:
+            d["static_score"] = None
+        d.setdefault("engine_best", None)
 
 
 def _records(document: dict, name: str) -> list[dict]:

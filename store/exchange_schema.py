@@ -1,4 +1,4 @@
-"""The export file format (schema version 2; version 1 files are read too) as data, and its strict validator.
+"""The export file format (schema version 3; versions 1 and 2 are read too) as data, and its strict validator.
 
 docs/export-schema.md describes the format for people; this module is what
 enforces it. Every field has one checker; a checker returns None or a
@@ -19,7 +19,9 @@ from mla_tune.backends.registry import BACKENDS
 from mla_tune.store.records import RUN_STATUSES, STATUSES
 
 FORMAT = "mla-tune-export"
-SCHEMA_VERSION = 2             # 2: measurements carry `params` (version 1 files have none; read as null)
+# 2: measurements carry `params` (version 1 files have none; read as null). 3: our Triton kernels are
+# MLA_TUNE_TRITON(_SPARSE) and decisions carry `engine_best` (older files are renamed on reading).
+SCHEMA_VERSION = 3
 MAX_LIST = 2_000_000            # records per list; the byte limit bites first in practice
 
 
@@ -170,6 +172,7 @@ DECISION = {
     "scores": ("map", backend_name, SCORE), "per_shape": ("list", SHAPE_WINNER),
     "anomalies": ("list", string(4096)), "failures": ("map", backend_name, string(4096)),
     "gpu_uuids": ("list", string(96)), "decided_at": timestamp(),
+    "engine_best": ("optional", ("map", string(32, empty=False, pattern=r"[a-z][a-z0-9_]*"), backend_name)),
 }
 PRODUCER = {"node": string(255), "mla_tune": string(64), "exported_at": timestamp()}
 CONTENT = {"devices": ("list", DEVICE), "fingerprints": ("list", FINGERPRINT), "runs": ("list", RUN),

@@ -154,6 +154,7 @@ class DecisionRow(KeyColumns, Base):
     anomalies: Mapped[list[Any]] = mapped_column(JSON)
     failures: Mapped[dict[str, Any]] = mapped_column(JSON)
     gpu_uuids: Mapped[list[Any]] = mapped_column(JSON)
+    engine_best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     decided_at: Mapped[str] = mapped_column(String(40), default="")
     node: Mapped[str] = mapped_column(String(255), default="")
     updated_at: Mapped[str] = mapped_column(String(40))

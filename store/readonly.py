@@ -25,10 +25,11 @@ from mla_tune.store.schema import KNOWN_REVISIONS, newer_schema_message
 from mla_tune.store.sqlite_file import StoreError, check_sqlite_file, sqlite_path
 
 TILES_REVISION = "0002"  # the first schema with measurements.params
+DECISIONS_REVISION = "0003"  # the first schema whose decisions say which backend each engine should get
 
 _DECISION_COLUMNS = (*codec.KEY_FIELDS, "winner", "runner_up", "margin", "static_choice",
                      "static_score", "noise_margin", "kept_static", "scores", "per_shape",
-                     "anomalies", "failures", "gpu_uuids", "decided_at")
+                     "anomalies", "failures", "gpu_uuids", "engine_best", "decided_at")
 _SELECT = ("SELECT " + ", ".join(f"d.{c}" for c in _DECISION_COLUMNS) + ", "
            + ", ".join(f"f.{c} AS fp_{c}" for c in codec.FINGERPRINT_FIELDS)
            + " FROM decisions d JOIN fingerprints f ON f.digest = d.fingerprint_digest")
@@ -93,7 +94,7 @@ def find_decisions(url: str | None = None, *, sku: str | None = None, device_nam
         ValueError: `key_fields` names a field that is not part of a decision key.
     """
     sql, params = _query(_SELECT, _ORDER, "d", sku=sku, device_name=device_name, key_fields=key_fields)
-    return _find(url, sql, params, _decision)
+    return _find(url, sql, params, _decision, min_revision=DECISIONS_REVISION)
 
 
 def _find(url: str | None, sql: str, params: dict[str, Any], convert, *,

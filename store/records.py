@@ -111,6 +111,9 @@ class Decision:
     fingerprint: SoftwareFingerprint = SoftwareFingerprint()
     gpu_uuids: tuple[str, ...] = ()
     decided_at: str = ""                 # ISO 8601, UTC
+    # {engine: the fastest backend that engine runs under its own name}; None when the decision did not
+    # time the engines' own kernels (decided before it could), so no engine may be handed its answer.
+    engine_best: dict[str, str] | None = None
 
 
 RUN_STATUSES = ("running", "done", "failed", "interrupted")

@@ -10,7 +10,10 @@
    margin of the best, a fixed preference (the registry's order) picks, so
    that decisions do not flip between runs or nodes on noise.
 4. Anomalies: a backend whose score at one head count departs by more than
-   20% from the trend of its neighbouring head counts.
+   20% from the trend of its neighbouring head counts, and a vLLM static
+   choice more than 10% slower than the fastest backend vLLM runs.
+5. Engines: each engine is handed the fastest backend whose timed kernel is
+   the one it runs under that name (`Decision.engine_best`).
 
 Pure functions of records: no torch, no store, no GPU.
 """
@@ -24,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from mla_tune.backends.device import SoftwareFingerprint
+from mla_tune.backends.engine_names import engine_best
 from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinner
 
 # The noise margin is the measured relative confidence half-widths of the two
@@ -33,6 +37,8 @@ from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinn
 NOISE_FLOOR = 0.005
 NOISE_CAP = 0.02
 ANOMALY_THRESHOLD = 0.20
+# vLLM's static choice losing by more than this to vLLM's own best is worth an operator's attention.
+STATIC_LOSS_THRESHOLD = 0.10
 _DISQUALIFYING = ("failed", "incorrect", "timeout", "ineligible")
 
 
@@ -150,7 +156,7 @@ def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
                     runner_up=runner_up, margin=margin, static_score=static_score,
                     noise_margin=noise_margin, kept_static=kept_static, per_shape=per_shape,
                     failures=failures, fingerprint=fingerprint, gpu_uuids=tuple(sorted(gpus)),
-                    decided_at=decided_at)
+                    decided_at=decided_at, engine_best=engine_best(scores))
 
 
 def family(key: DecisionKey) -> tuple:
@@ -195,7 +201,29 @@ def find_anomalies(decisions: Sequence[Decision], *,
     return dict(found)
 
 
+def static_loss(decision: Decision, *, threshold: float = STATIC_LOSS_THRESHOLD) -> str | None:
+    """A sentence when vLLM's static choice takes more than (1 + threshold) times the time of the fastest
+    backend vLLM runs, at this key; None otherwise (or when either was not scored)."""
+    best = (decision.engine_best or {}).get("vllm")
+    static = decision.static_choice
+    if not best or not static or best == static or static not in decision.scores or best not in decision.scores:
+        return None
+    ratio = decision.scores[static] / decision.scores[best]
+    if ratio <= 1.0 + threshold:
+        return None
+    return (f"vLLM's static choice {static} takes {ratio:.2f}x the time of vLLM's fastest backend {best} "
+            f"at {decision.key.num_heads} heads")
+
+
 def with_anomalies(decisions: Sequence[Decision]) -> list[Decision]:
-    """The same decisions with `anomalies` recomputed across their families."""
+    """The same decisions with `anomalies` recomputed: departures from the head-count trend, and a
+    static choice that loses to vLLM's own best."""
     found = find_anomalies(decisions)
-    return [replace(d, anomalies=tuple(found.get(d.key, ()))) for d in decisions]
+    out = []
+    for d in decisions:
+        notes = list(found.get(d.key, ()))
+        loss = static_loss(d)
+        if loss:
+            notes.append(loss)
+        out.append(replace(d, anomalies=tuple(notes)))
+    return out

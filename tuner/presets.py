@@ -41,7 +41,9 @@ MODELS: dict[str, ModelPreset] = {p.name: p for p in (
     ModelPreset("glm-5", 64, Geometry(512, 64, 192, 256), topk=2048,
                 description="GLM-5, qk_nope 192, sparse top-k 2048"),
 )}
-DEFAULT_MODEL = "deepseek-v3"
+# The default tune: DeepSeek-V3's dense MLA and DeepSeek-V3.2's sparse MLA, whose TP sweep is where vLLM's
+# static sparse choice is known to lose (64 heads per rank, TP 2).
+DEFAULT_MODELS = ("deepseek-v3", "deepseek-v3.2")
 DEFAULT_TPS = (1, 2, 4, 8)
 DEFAULT_KV_CACHE_DTYPES = ("bf16", "fp8")
 
@@ -52,6 +54,10 @@ GRIDS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], 
     "default": ((1, 4, 16, 64, 128), (1024, 4096, 16384), ((32, 32768),)),
     "thorough": ((1, 2, 4, 8, 16, 32, 64, 128), (512, 1024, 2048, 4096, 8192, 16384, 32768), ()),
 }
+
+# Sparse decode reads top-k tokens whatever the context, so a sparse key times each batch size at one
+# long context (DeepSeek-V3.2's top-k 2048 of 32k in the default grid) instead of the dense contexts.
+SPARSE_KV_LENS: dict[str, tuple[int, ...]] = {"quick": (8192,), "default": (32768,), "thorough": (8192, 32768)}
 
 # Seconds the timing harness may spend on one shape (all backends interleaved).
 SHAPE_TIME_CAP_S = {"quick": 0.3, "default": 0.6, "thorough": 2.0}
@@ -194,8 +200,11 @@ def _nearest(value: int, grid) -> int:
     return min(grid, key=lambda g: (abs(math.log(g) - math.log(value)), g))
 
 
-def shape_grid(level: str, workload: Workload | None = None) -> list[tuple[Shape, float]]:
+def shape_grid(level: str, workload: Workload | None = None, *, sparse: bool = False) -> list[tuple[Shape, float]]:
     """The (shape, weight) pairs of a grid level; weights sum to 1.
+
+    A sparse grid has the level's batch sizes at `SPARSE_KV_LENS` contexts (a workload's explicit shapes
+    replace either grid).
 
     Raises:
         SpecError: unknown level, or a workload that gives every shape weight 0.
@@ -206,6 +215,8 @@ def shape_grid(level: str, workload: Workload | None = None) -> list[tuple[Shape
         pairs = [(Shape(b, n), w) for b, n, w in workload.shapes]
     else:
         batches, kv_lens, extra = GRIDS[level]
+        if sparse:
+            kv_lens, extra = SPARSE_KV_LENS[level], ()
         points = [(b, n) for b in batches for n in kv_lens] + [p for p in extra if p not in
                                                                   {(b, n) for b in batches for n in kv_lens}]
         bw = {b: 1.0 for b, _ in points}
@@ -232,7 +243,7 @@ def shape_grid(level: str, workload: Workload | None = None) -> list[tuple[Shape
 class TuneSpec:
     """One tune request, as the CLI parsed it."""
 
-    models: tuple[str, ...] = (DEFAULT_MODEL,)
+    models: tuple[str, ...] = DEFAULT_MODELS
     tps: tuple[int, ...] = DEFAULT_TPS
     heads: tuple[int, ...] = ()                # explicit heads per rank; replaces the TP sweep
     kv_cache_dtypes: tuple[str, ...] = DEFAULT_KV_CACHE_DTYPES
@@ -273,7 +284,7 @@ def expand_keys(spec: TuneSpec) -> list[KeyWork]:
     Raises:
         SpecError: unknown model, no TP that leaves a head, bad dtype, empty grid.
     """
-    grid = shape_grid(spec.level, spec.workload)
+    grids = {sparse: shape_grid(spec.level, spec.workload, sparse=sparse) for sparse in (False, True)}
     try:
         kvs = [normalize_kv_cache_dtype(d) for d in spec.kv_cache_dtypes]
     except ValueError as exc:
@@ -303,6 +314,7 @@ def expand_keys(spec: TuneSpec) -> list[KeyWork]:
                         raise SpecError(str(exc)) from None
                     value = TP_VALUE.get(tp, 0.8) * KV_VALUE.get(kv, 0.5) * (1.0 if q_len == 1 else 0.5)
                     ident = (problem,)
+                    grid = grids[problem.sparse]
                     if ident not in out:
                         out[ident] = KeyWork(problem, tuple(s for s, _ in grid), tuple(w for _, w in grid),
                                              tp, model.name, value)

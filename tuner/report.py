@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from mla_tune.backends.engine_names import vllm_regret
 from mla_tune.store.records import Decision, DecisionKey, Measurement
 
 _FAILED_MARK = "x"
@@ -187,6 +188,8 @@ def _decision_lines(d: Decision) -> list[str]:
              + (f" (score {d.static_score:.3f})" if d.static_score is not None else "")
              + ("; kept within the noise margin" if d.kept_static else "")
              + f"; noise margin {d.noise_margin * 100:.1f}%."]
+    lines.append(f"- vLLM gets: {vllm_regret(d)} (its fastest own backend; times relative to the fastest "
+                 f"kernel and to vLLM's best).")
     if d.scores:
         ranked = sorted(d.scores.items(), key=lambda kv: (kv[1], kv[0]))
         lines.append("- Scores: " + ", ".join(f"`{b}` {s:.3f}" for b, s in ranked) + ".")
@@ -197,6 +200,29 @@ def _decision_lines(d: Decision) -> list[str]:
     if d.gpu_uuids:
         lines.append(f"- Measured on {len(d.gpu_uuids)} GPU(s); decided {d.decided_at or 'at an unknown time'}.")
     return lines
+
+
+def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> list[str]:
+    """Per SKU, KV dtype and sparsity, one row per head count: the fastest kernel, vLLM's fastest own
+    backend and its time relative to the fastest, and vLLM's static choice relative to vLLM's best."""
+    lines = ["## What vLLM gets, by heads per rank", "",
+             "| GPU SKU | KV | heads | fastest | vLLM's best (x fastest) | vLLM static (x vLLM's best) |",
+             "|---|---|---|---|---|---|"]
+    for (sku, kv, topk), group in sorted(groups.items()):
+        for d in sorted(group, key=lambda d: d.key.num_heads):
+            s = d.scores
+            if not s:
+                continue
+            fastest = min(s, key=lambda b: (s[b], b))
+            best = (d.engine_best or {}).get("vllm")
+            best_text = f"`{best}` {s[best] / s[fastest]:.2f}x" if best in s else (
+                "not timed" if d.engine_best is None else "-")
+            static = d.static_choice
+            static_text = (f"`{static}` {s[static] / s[best]:.2f}x" if static in s and best in s
+                           else f"`{static}` not timed" if static else "-")
+            lines.append(f"| {sku} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | `{fastest}` | "
+                         f"{best_text} | {static_text} |")
+    return lines + [""] if len(lines) > 4 else []
 
 
 def write_report(decisions: Iterable[Decision], measurements: Iterable[Measurement], out_dir: str | Path,
@@ -247,6 +273,7 @@ def write_report(decisions: Iterable[Decision], measurements: Iterable[Measureme
             plot_heads(sku, kv + (f" top-k {topk}" if topk else ""), group, out / name)
             heads_lines += [f"### {sku}, KV {kv}{f' top-k {topk}' if topk else ''}", "",
                             f"![score by head count]({name})", ""]
+    lines += engine_table_lines(groups)
     if heads_lines:
         lines += ["## Scores across head counts", ""] + heads_lines
     path = out / "index.md"

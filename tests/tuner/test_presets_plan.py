@@ -11,18 +11,21 @@ from mla_tune.tuner.presets import (GRIDS, SpecError, TuneSpec, expand_keys, hea
                                     parse_model, shape_grid)
 
 
-def test_default_preset_covers_deepseek_tp_sweep_with_64_heads_and_both_kv_dtypes():
+def test_default_preset_covers_dense_and_sparse_deepseek_tp_sweeps_with_both_kv_dtypes():
     keys = expand_keys(TuneSpec())
-    assert sorted({(k.problem.num_heads, k.problem.kv_cache_dtype) for k in keys}) == [
-        (h, kv) for h in (16, 32, 64, 128) for kv in ("bf16", "fp8_e4m3")]
-    assert all(k.problem.geometry.label == "512/64/128/128" and not k.problem.sparse for k in keys)
+    assert sorted({(k.problem.num_heads, k.problem.kv_cache_dtype, k.problem.topk or 0) for k in keys}) == [
+        (h, kv, topk) for h in (16, 32, 64, 128) for kv in ("bf16", "fp8_e4m3") for topk in (0, 2048)]
+    assert len(keys) == 16 and all(k.problem.geometry.label == "512/64/128/128" for k in keys)
     # Most valuable first: TP 8 (16 heads) leads, TP 1 (128 heads) comes last.
-    assert [k.problem.num_heads for k in keys][:2] == [16, 16]
-    assert [k.problem.num_heads for k in keys][-2:] == [128, 128]
-    shapes = keys[0].shapes
-    assert min(s.batch_size for s in shapes) == 1 and max(s.batch_size for s in shapes) == 128
-    assert Shape(32, 32768) in shapes                          # vLLM's long-context point
-    assert sum(keys[0].weights) == pytest.approx(1.0)
+    assert [k.problem.num_heads for k in keys][:4] == [16] * 4
+    assert [k.problem.num_heads for k in keys][-4:] == [128] * 4
+    dense = next(k for k in keys if not k.problem.sparse)
+    assert min(s.batch_size for s in dense.shapes) == 1 and max(s.batch_size for s in dense.shapes) == 128
+    assert Shape(32, 32768) in dense.shapes                    # vLLM's long-context point
+    assert sum(dense.weights) == pytest.approx(1.0)
+    # Sparse decode reads top-k 2048 tokens whatever the context: each batch size at a 32k context.
+    sparse = next(k for k in keys if k.problem.sparse)
+    assert sparse.shapes == tuple(Shape(b, 32768) for b in (1, 4, 16, 64, 128))
 
 
 def test_model_presets_carry_their_geometry_and_sparsity():
@@ -47,7 +50,7 @@ def test_tp_that_leaves_no_head_is_skipped_and_an_empty_sweep_is_an_error():
 
 
 def test_mtp_adds_q_len_2_keys_after_the_q_len_1_keys():
-    keys = expand_keys(TuneSpec(tps=(8,), kv_cache_dtypes=("bf16",), mtp=True))
+    keys = expand_keys(TuneSpec(models=("deepseek-v3",), tps=(8,), kv_cache_dtypes=("bf16",), mtp=True))
     assert [k.problem.q_len for k in keys] == [1, 2]
 
 
