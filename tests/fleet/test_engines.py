@@ -25,31 +25,57 @@ def test_every_mapped_name_comes_from_the_registry():
     assert engine_backends("vllm") == {n: i.vllm_name for n, i in BACKENDS.items() if i.vllm_name}
     assert engine_name("FLASHINFER_FA3_MLA", "vllm") is None
     assert engine_name("FLASHINFER_FA3_MLA", "sglang") == "flashinfer"
+    # Our kernel has no vLLM name of its own: vLLM runs it only through our plugin.
+    assert engine_name("MLA_TUNE_TRITON", "vllm") is None
+    assert engine_name("MLA_TUNE_TRITON", "vllm", with_plugin=True) == "MLA_TUNE_TRITON"
     with pytest.raises(ValueError, match="unknown engine 'trt'"):
         engine_name("TRITON_MLA", "trt")
     with pytest.raises(ValueError, match="unknown backend"):
         engine_name("NOPE", "vllm")
 
 
-def test_ranking_keeps_only_the_engines_backends_best_first():
-    scores = {"FLASHINFER_FA3_MLA": 1.0, "TRITON_MLA": 1.4, "FLASHMLA": 1.2, "CUTLASS_MLA": float("inf")}
+def test_ranking_keeps_only_the_engines_own_kernels_best_first():
+    scores = {"FLASHINFER_FA3_MLA": 1.0, "MLA_TUNE_TRITON": 1.1, "TRITON_MLA": 1.4, "FLASHMLA": 1.2,
+              "CUTLASS_MLA": float("inf")}
     assert rank_for_engine(scores, "vllm") == [("FLASHMLA", "FLASHMLA", 1.2), ("TRITON_MLA", "TRITON_MLA", 1.4)]
-    assert [r[1] for r in rank_for_engine(scores, "sglang")] == ["flashinfer", "flashmla", "triton"]
+    assert [r[0] for r in rank_for_engine(scores, "vllm", with_plugin=True)][:2] == ["MLA_TUNE_TRITON", "FLASHMLA"]
 
 
-def test_choose_states_its_basis():
-    scores = {"FLASHINFER_FA2_MLA": 1.0, "FLASHINFER_FA3_MLA": 1.05, "TRITON_MLA": 1.3}
-    assert choose_for_engine(winner="TRITON_MLA", scores=scores, engine="vllm").basis == "winner"
-    ranked = choose_for_engine(winner="FLASHINFER_FA2_MLA", scores=scores, engine="vllm")
-    assert (ranked.backend, ranked.basis, ranked.score) == ("TRITON_MLA", "ranked", 1.3)
-    static = choose_for_engine(winner="FLASHINFER_FA2_MLA", scores={"FLASHINFER_FA2_MLA": 1.0}, engine="vllm",
-                               static_choice="FLASH_ATTN_MLA")
-    assert (static.engine_backend, static.basis) == ("FLASH_ATTN_MLA", "static")
-    none = choose_for_engine(winner="FLASHINFER_FA2_MLA", scores={"FLASHINFER_FA2_MLA": 1.0}, engine="vllm")
-    assert none.engine_backend is None and "let the engine choose" in none.reason
+SCORES = {"MLA_TUNE_TRITON": 1.0, "FLASHMLA": 1.3, "FLASH_ATTN_MLA": 1.5, "TRITON_MLA": 3.0}
 
 
-def test_choice_from_a_real_lookup_ranks_the_stored_scores(tmp_path):
+def test_vllm_gets_its_fastest_own_kernel_with_how_far_it_is_from_the_fastest():
+    got = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm",
+                            engine_best={"vllm": "FLASHMLA"}, static_choice="FLASH_ATTN_MLA",
+                            plugin_missing="vLLM is not installed in this environment")
+    assert (got.backend, got.engine_backend, got.basis) == ("FLASHMLA", "FLASHMLA", "engine_best")
+    assert "1.30x the time of the fastest kernel MLA_TUNE_TRITON" in got.reason
+    assert "static choice FLASH_ATTN_MLA takes 1.15x its time" in got.reason
+    assert "needs mla-tune's vLLM plugin: vLLM is not installed" in got.reason
+
+
+def test_our_kernel_goes_to_vllm_only_where_the_plugin_is_installed():
+    got = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm",
+                            engine_best={"vllm": "FLASHMLA"}, static_choice="FLASH_ATTN_MLA", plugin_missing=None)
+    assert (got.engine_backend, got.basis) == ("MLA_TUNE_TRITON", "winner")
+    assert "through mla-tune's plugin" in got.reason
+
+
+def test_a_decision_that_never_timed_vllms_kernels_hands_vllm_nothing():
+    # A decision migrated from when our kernel was stored as TRITON_MLA: engine_best is None.
+    got = choose_for_engine(winner="TRITON_MLA", scores={"TRITON_MLA": 1.0}, engine="vllm", engine_best=None,
+                            plugin_missing=None)
+    assert (got.engine_backend, got.basis) == (None, "stale")
+    assert "before mla-tune timed vLLM's own kernels" in got.reason
+
+
+def test_no_engine_kernel_timed_means_no_flag():
+    got = choose_for_engine(winner="FLASHINFER_FA2_MLA", scores={"FLASHINFER_FA2_MLA": 1.0}, engine="vllm",
+                            engine_best={})
+    assert (got.engine_backend, got.basis) == (None, "none")
+
+
+def test_choice_from_a_real_lookup_hands_vllm_its_fastest_own_backend(tmp_path):
     import mla_tune
     from mla_tune.backends.software import current_fingerprint
     from mla_tune.store.repository import Store
@@ -59,8 +85,9 @@ def test_choice_from_a_real_lookup_ranks_the_stored_scores(tmp_path):
         (decision,) = fleet_data.populate(store, heads=(16,), fingerprint=current_fingerprint())
     choice = mla_tune.lookup(16, "fp8", device={"name": "NVIDIA H200", "compute_capability": (9, 0)}, db=url)
     assert (choice.backend, choice.source) == ("FLASHINFER_FA2_MLA", "tuned")
-    vllm = choice_for_engine(choice, "vllm")
-    assert (vllm.engine_backend, vllm.basis) == ("TRITON_MLA", "ranked")
-    assert vllm.score == pytest.approx(decision.scores["TRITON_MLA"])
+    assert dict(choice.engine_best) == {"vllm": "FLASHMLA", "sglang": "FLASHINFER_FA3_MLA"}
+    vllm = choice_for_engine(choice, "vllm", plugin_missing=None)
+    assert (vllm.engine_backend, vllm.basis) == ("FLASHMLA", "engine_best")
+    assert vllm.score == pytest.approx(decision.scores["FLASHMLA"])
     sglang = choice_for_engine(choice, "sglang")
-    assert (sglang.engine_backend, sglang.basis) == ("flashinfer", "ranked")
+    assert (sglang.engine_backend, sglang.basis) == ("flashinfer", "engine_best")

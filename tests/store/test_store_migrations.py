@@ -110,3 +110,46 @@ def test_newer_schema_sqlite_file_bytes_unchanged(tmp_path):
     with pytest.raises(StoreError, match="newer than this mla-tune"):
         Store.open(url, create=False)
     assert file_digest(str(path)) == digest
+
+
+def test_our_kernels_stored_under_vllms_triton_name_are_renamed_and_never_handed_to_vllm(store_url):
+    """Before revision 0003 our Triton kernel was stored as TRITON_MLA, vLLM's name for its own kernel."""
+    import json
+
+    with Store.open(store_url) as store:
+        store.downgrade("0002")
+    engine = create_engine(resolve_url(store_url), poolclass=NullPool)
+    old = {"TRITON_MLA": 1.0, "FLASHINFER_FA3_MLA": 1.2}
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO fingerprints (digest, torch, triton, flashinfer, cuda_runtime, driver, "
+                                "mla_tune, kernel_hash) VALUES ('d1', '', '', '', '', '', '', '')"))
+        keys = "sku, compute_capability, query_dtype, kv_cache_dtype, num_heads, geometry, page_size, topk, q_len"
+        values = "'NVIDIA H100 80GB HBM3 | 9.0 | 80GiB | 0x2330', '9.0', 'bf16', 'bf16', 16, '512/64/128/128', 64, 0, 1"
+        connection.execute(text(f"INSERT INTO measurements ({keys}, backend, batch_size, kv_len, status, samples, "
+                                f"reason, gpu_uuid, measured_at) VALUES ({values}, 'TRITON_MLA', 1, 1024, 'ok', 5, "
+                                f"'', 'GPU-1', '2026-11-20T00:00:00Z')"))
+        connection.execute(text(
+            f"INSERT INTO decisions ({keys}, fingerprint_digest, winner, runner_up, margin, static_choice, "
+            f"static_score, noise_margin, kept_static, scores, per_shape, anomalies, failures, gpu_uuids, "
+            f"decided_at, node, updated_at) VALUES ({values}, 'd1', 'TRITON_MLA', 'FLASHINFER_FA3_MLA', 0.2, "
+            f"'TRITON_MLA', 1.0, 0.02, :f, :scores, :per_shape, '[]', :failures, '[]', '2026-11-20T00:00:00Z', "
+            f"'', '2026-11-20T00:00:00Z')"),
+            {"f": False, "scores": json.dumps(old),
+             "per_shape": json.dumps([{"batch_size": 1, "kv_len": 1024, "backend": "TRITON_MLA", "median_ms": 0.1}]),
+             "failures": json.dumps({"TRITON_MLA_SPARSE": "dense key"})})
+    engine.dispose()
+    with Store.open(store_url) as store:
+        assert store.schema_revision() == HEAD_REVISION
+        (d,) = store.decisions()
+        (m,) = store.measurements()
+    assert (d.winner, d.runner_up, m.backend) == ("MLA_TUNE_TRITON", "FLASHINFER_FA3_MLA", "MLA_TUNE_TRITON")
+    assert d.scores == {"MLA_TUNE_TRITON": 1.0, "FLASHINFER_FA3_MLA": 1.2}
+    assert d.per_shape[0].backend == "MLA_TUNE_TRITON" and d.failures == {"MLA_TUNE_TRITON_SPARSE": "dense key"}
+    # vLLM's static choice keeps vLLM's name, but the score was our kernel's, not vLLM's Triton kernel's.
+    assert (d.static_choice, d.static_score) == ("TRITON_MLA", None)
+    assert d.engine_best is None     # never timed vLLM's kernels: no engine is handed this decision
+
+    from mla_tune.engines import decision_for_engine
+
+    handed = decision_for_engine(d, "vllm", plugin_missing=None)
+    assert (handed.engine_backend, handed.basis) == (None, "stale")
