@@ -120,7 +120,7 @@ def decision_from(row: Mapping[str, Any], fingerprint: SoftwareFingerprint) -> D
                     anomalies=tuple(_json(row["anomalies"])),
                     failures=dict(_json(row["failures"])), fingerprint=fingerprint,
                     gpu_uuids=tuple(_json(row["gpu_uuids"])), decided_at=row["decided_at"],
-                    engine_best=_engine_best(row.get("engine_best")))
+                    engine_best=_engine_best(row["engine_best"] if "engine_best" in row.keys() else None))
 
 
 def _engine_best(value: Any) -> dict[str, str] | None:
