@@ -65,14 +65,14 @@ def pinned_table(vllm_version: str) -> PinnedPriority:
             return table
     matches = []
     if _COMMIT.fullmatch(text):
-        matches = [t for t in PINNED if not t.is_release
-                   and (t.version.startswith(text) or text.startswith(t.version))]
+        matches = [t for t in PINNED if t.commit.startswith(text) or text.startswith(t.commit)]
     if len(matches) == 1:
         return matches[0]
-    known = ", ".join(f"release {t.version}" if t.is_release else f"commit {t.version} (or a prefix of at least "
-                      "4 hex digits)" for t in PINNED)
+    known = ", ".join(f"release {t.version} (commit {t.commit})" if t.is_release else f"commit {t.version}"
+                      for t in PINNED)
     what = "ambiguous" if matches else "unknown"
-    raise ValueError(f"{what} vllm_version {vllm_version!r}; mla-tune has vLLM priority tables for {known}")
+    raise ValueError(f"{what} vllm_version {vllm_version!r}; mla-tune has vLLM priority tables for {known}; "
+                     "a commit may be given by any prefix of at least 4 hex digits")
 
 
 def table_for_installed(version: str) -> PinnedPriority | None:

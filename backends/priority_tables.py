@@ -32,6 +32,7 @@ class PinnedPriority:
     Attributes:
         version: the release ("0.33.0") or the commit hash as far as it is known.
         is_release: True for a release, False for a commit.
+        commit: the commit hash (as far as it is known) a commit prefix must match.
         kv_cache_dtypes: vLLM's own `--kv-cache-dtype` values at this version
             (mla-tune's spellings are accepted as well; empty when not recorded).
         quantized: vLLM's quantized-cache test at this version.
@@ -50,6 +51,7 @@ class PinnedPriority:
 
     version: str
     is_release: bool
+    commit: str
     kv_cache_dtypes: frozenset[str]
     quantized: QuantizedTest
     sm100_dense: tuple[str, ...]
@@ -95,7 +97,7 @@ _SM120 = ("TRITON_MLA", "FLASHINFER_MLA_SPARSE_SM120")
 
 # REFERENCE.md section 1: vLLM main at 81be2e09aebf (2026-08-06).
 COMMIT_81BE2E09 = PinnedPriority(
-    version="81be2e09aebf", is_release=False, kv_cache_dtypes=frozenset(),
+    version="81be2e09aebf", is_release=False, commit="81be2e09aebf", kv_cache_dtypes=frozenset(),
     quantized=QuantizedTest(prefixes=("fp8",), suffixes=("per_token_head",), names=frozenset({"nvfp4"})),
     sm100_dense=_SM100_DENSE,
     sm100_sparse_quantized=("FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE"),
@@ -107,7 +109,7 @@ COMMIT_81BE2E09 = PinnedPriority(
 
 # vLLM 0.33.0 (release of 2026-11): `_get_backend_priorities` and `get_kv_quant_mode` of its wheel.
 RELEASE_0_33_0 = PinnedPriority(
-    version="0.33.0", is_release=True,
+    version="0.33.0", is_release=True, commit="4ba787ec9",   # the wheel's vllm/_version.py commit_id
     kv_cache_dtypes=frozenset({
         "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
         "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "octave_k3v4",
