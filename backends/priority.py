@@ -7,8 +7,12 @@ one wins. Which rule answers here:
 - `vllm_version` given: mla-tune's pinned table for that release or commit
   (`priority_tables.PINNED`);
 - `vllm_version=None` and vLLM installed: the installed vLLM's own function when
-  `vllm.platforms.cuda` imports (it needs libcuda), else the pinned table of the
-  installed version, else the newest pinned table, each saying why;
+  vLLM is already loaded in this process (a serving engine, its plugin) or when
+  mla-tune has no table for the installed version, and `vllm.platforms.cuda`
+  imports (it needs libcuda); else the pinned table of the installed version
+  (checked against vLLM's own function by the `vllm` tests), else the newest
+  pinned table, each saying why. A lookup in a CLI or an init container so
+  loads no torch through vLLM;
 - `vllm_version=None` and no vLLM: the newest pinned table.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,9 +100,13 @@ def _pinned_rule(table: PinnedPriority, description: str) -> PriorityRule:
     return PriorityRule(table.version, "pinned", description, table=table, kv_cache_dtypes=table.kv_cache_dtypes)
 
 
-@functools.cache
 def installed_rule() -> PriorityRule:
-    """The rule of the vLLM installed in this environment (cached per process; see the module docstring)."""
+    """The rule of the vLLM installed in this environment (see the module docstring)."""
+    return _installed_rule("vllm" in sys.modules)
+
+
+@functools.cache
+def _installed_rule(vllm_loaded: bool) -> PriorityRule:
     from importlib import metadata
 
     try:
@@ -106,6 +115,9 @@ def installed_rule() -> PriorityRule:
         return _pinned_rule(NEWEST, f"mla-tune's pinned table for {NEWEST.label}, the newest it knows "
                                     "(vLLM is not installed here)")
     table = table_for_installed(version)
+    if table is not None and not vllm_loaded:
+        return _pinned_rule(table, f"mla-tune's pinned table for {table.label}, the installed version (vLLM is "
+                                   "not loaded in this process, and importing it only to ask would cost seconds)")
     try:
         from vllm.platforms.cuda import _get_backend_priorities
         from vllm.platforms.interface import DeviceCapability

@@ -140,7 +140,7 @@ def test_without_vllm_the_newest_pinned_table_answers_and_says_so(monkeypatch):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "version", missing)
-    priority.installed_rule.cache_clear()
+    priority._installed_rule.cache_clear()
     try:
         rule = priority_rule(None)
         assert (rule.vllm_version, rule.source) == ("0.33.0", "pinned")
@@ -148,25 +148,30 @@ def test_without_vllm_the_newest_pinned_table_answers_and_says_so(monkeypatch):
         assert static_priority(compute_capability=(10, 0), kv_cache_dtype="auto", num_heads=8) == \
             rule_0_33_0(10, "auto", 8, None)
     finally:
-        priority.installed_rule.cache_clear()
+        priority._installed_rule.cache_clear()
 
 
-def test_an_installed_vllm_that_cannot_be_loaded_falls_back_to_its_pinned_table(monkeypatch):
-    """vLLM is not importable here, so only its version is faked: the import then fails as on a CPU machine."""
+def test_an_installed_vllm_that_is_not_loaded_or_cannot_be_loaded_falls_back_to_a_pinned_table(monkeypatch):
+    """vLLM is not importable here, so only its version is faked: importing it then fails."""
     import importlib.util
     from importlib import metadata
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here; tests/backends/test_priority_vllm.py covers it")
-    for installed, expected in [("0.33.0", "the installed version"), ("0.40.0", "has no pinned table")]:
+    cases = [("0.33.0", "mla-tune's pinned table for vLLM 0.33.0, the installed version (vLLM is not loaded in "
+                        "this process, and importing it only to ask would cost seconds)"),
+             ("0.40.0", "mla-tune's pinned table for vLLM 0.33.0, the newest it knows; the installed vLLM 0.40.0 "
+                        "has no pinned table and its own rule could not be loaded (ModuleNotFoundError: No module "
+                        "named 'vllm'), so its order may differ")]
+    for installed, description in cases:
         monkeypatch.setattr(metadata, "version", lambda name, v=installed: v)
-        priority.installed_rule.cache_clear()
+        priority._installed_rule.cache_clear()
         try:
             rule = priority_rule(None)
-            assert (rule.vllm_version, rule.source) == ("0.33.0", "pinned")
-            assert expected in rule.description and "ModuleNotFoundError" in rule.description
+            assert (rule.vllm_version, rule.source, rule.description) == ("0.33.0", "pinned", description)
+            assert rule.table.version == "0.33.0" and rule.function is None
         finally:
-            priority.installed_rule.cache_clear()
+            priority._installed_rule.cache_clear()
 
 
 @pytest.mark.parametrize("bad", [dict(compute_capability="nine", kv_cache_dtype="auto"),

@@ -8,7 +8,10 @@ imports the real `vllm.platforms.cuda`, so the function, its `@cache`, the real
 `AttentionBackendEnum`, `DeviceCapability` and `is_quantized_kv_cache` are all
 vLLM's own. It calls the function over the whole grid and prints the enum names;
 this process compares them with `static_priority(..., vllm_version="0.33.0")`.
-The stand-in stays in the child, so no other test sees it.
+The stand-in stays in the child, so no other test sees it. The last three tests
+check which rule `vllm_version=None` takes in the three situations of such an
+environment: vLLM not loaded, loaded without libcuda, and loaded with its CUDA
+platform importable (the same stand-in).
 
 Run in an environment that has vLLM 0.33.0 and mla-tune installed:
 `python -m pytest -m vllm tests/backends/test_priority_vllm.py`.
@@ -33,10 +36,15 @@ STUB_CUDA_OPS = ("import sys, types\n"
                  "sys.modules['vllm._C_stable_libtorch'] = types.ModuleType('vllm._C_stable_libtorch')\n")
 
 
-def run_child(code: str) -> dict:
+def run_child_lines(code: str) -> list:
+    """The JSON values a child interpreter prints, one a line."""
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in result.stdout.strip().splitlines()]
+
+
+def run_child(code: str) -> dict:
+    return run_child_lines(code)[-1]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +112,17 @@ print(json.dumps({"rule": [rule.vllm_version, rule.source, rule.description],
 """
 
 
-def test_without_libcuda_the_installed_versions_pinned_table_answers_and_says_why():
-    out = run_child(PROBE)
+def test_a_process_without_vllm_loaded_uses_the_installed_versions_table_and_loads_no_torch():
+    out, loaded = run_child_lines(PROBE + "import sys; print(json.dumps([m for m in ('torch', 'triton', 'vllm') "
+                                          "if m in sys.modules]))\n")
+    assert out["rule"] == ["0.33.0", "pinned", "mla-tune's pinned table for vLLM 0.33.0, the installed version "
+                           "(vLLM is not loaded in this process, and importing it only to ask would cost seconds)"]
+    assert out["lists"] == out["pinned"]
+    assert loaded == []
+
+
+def test_with_vllm_loaded_but_no_libcuda_the_installed_versions_table_answers_and_says_why():
+    out = run_child("import vllm\n" + PROBE)
     version, kind, description = out["rule"]
     assert (version, kind) == ("0.33.0", "pinned")
     assert description.startswith("mla-tune's pinned table for vLLM 0.33.0, the installed version "
@@ -114,7 +131,7 @@ def test_without_libcuda_the_installed_versions_pinned_table_answers_and_says_wh
     assert out["lists"] == out["pinned"]
 
 
-def test_when_vllm_platforms_cuda_imports_its_own_function_answers():
-    out = run_child(STUB_CUDA_OPS + PROBE)
+def test_with_vllm_loaded_and_its_cuda_platform_importable_its_own_function_answers():
+    out = run_child(STUB_CUDA_OPS + "import vllm\n" + PROBE)
     assert out["rule"] == ["0.33.0", "installed", "the installed vLLM 0.33.0's own _get_backend_priorities"]
     assert out["lists"] == out["pinned"]
