@@ -144,7 +144,8 @@ def test_without_vllm_the_newest_pinned_table_answers_and_says_so(monkeypatch):
     try:
         rule = priority_rule(None)
         assert (rule.vllm_version, rule.source) == ("0.33.0", "pinned")
-        assert rule.description == "mla-tune's pinned table for vLLM 0.33.0, the newest it knows (vLLM is not installed here)"
+        assert rule.description == ("mla-tune's pinned table for vLLM 0.33.0, the newest it knows "
+                                    "(vLLM is not installed here)")
         assert static_priority(compute_capability=(10, 0), kv_cache_dtype="auto", num_heads=8) == \
             rule_0_33_0(10, "auto", 8, None)
     finally:

@@ -73,7 +73,8 @@ def _drop_import(function: ast.FunctionDef, module: str, name: str) -> None:
                                              and [a.name for a in s.names] == [name])]
     if len(kept) != len(function.body) - 1:
         raise LookupError(f"{function.name} no longer imports exactly `from {module} import {name}`")
-    imports = [s for s in ast.walk(ast.Module(body=kept, type_ignores=[])) if isinstance(s, ast.Import | ast.ImportFrom)]
+    module = ast.Module(body=kept, type_ignores=[])
+    imports = [s for s in ast.walk(module) if isinstance(s, ast.Import | ast.ImportFrom)]
     if imports:
         raise LookupError(f"{function.name} imports more than expected: {ast.unparse(imports[0])}")
     function.body = kept
