@@ -11,8 +11,8 @@ one wins. Which rule answers here:
   mla-tune has no table for the installed version, and `vllm.platforms.cuda`
   imports (it needs libcuda); else the pinned table of the installed version
   (checked against vLLM's own function by the `vllm` tests), else the newest
-  pinned table, each saying why. A lookup in a CLI or an init container so
-  loads no torch through vLLM;
+  pinned table, each saying why; so a lookup in a CLI or an init container
+  imports no torch through vLLM;
 - `vllm_version=None` and no vLLM: the newest pinned table.
 """
 
@@ -41,6 +41,9 @@ class PriorityRule:
         vllm_version: the release or commit whose rule this is ("0.33.0", "81be2e09aebf").
         source: "installed" (the installed vLLM's own function) or "pinned" (mla-tune's table).
         description: names the rule and, for a fallback, why it was used.
+        table: the pinned table (also set beside an installed vLLM's function when its version has one).
+        function: the installed vLLM's own rule, called as (major, minor, kv spelling, heads, head_size).
+        kv_cache_dtypes: vLLM's own `--kv-cache-dtype` spellings this rule accepts beside mla-tune's.
     """
 
     vllm_version: str
