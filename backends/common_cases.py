@@ -48,6 +48,6 @@ def common_static_choices(devices=COMMON_DEVICES, *, heads=COMMON_HEADS,
                 for num_heads in heads:
                     problem = Problem(num_heads=num_heads, kv_cache_dtype=kv,
                                       topk=SPARSE_TOPK if is_sparse else None)
-                    backend, skipped = static_choice(problem, device, kv_cache_spelling=kv)
-                    cases.append(StaticCase(device, kv, is_sparse, num_heads, backend, skipped))
+                    static = static_choice(problem, device, kv_cache_spelling=kv)
+                    cases.append(StaticCase(device, kv, is_sparse, num_heads, static.backend, static.skipped))
     return cases

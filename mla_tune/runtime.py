@@ -17,7 +17,7 @@ import types
 from dataclasses import dataclass, field
 
 from mla_tune.backends.device import DeviceInfo
-from mla_tune.backends.priority import static_choice, static_priority
+from mla_tune.backends.priority import static_choice
 from mla_tune.backends.problem import DeviceSpec, Geometry, Problem, parse_compute_capability
 from mla_tune.backends.registry import BACKENDS, backend_reasons, candidates
 
@@ -298,7 +298,8 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
     spec = info.spec
     # vLLM's choice on this GPU as vLLM itself would make it: the packages of *this* process (an init
     # container, a CLI venv) say nothing about the engine's, so they are not checked here.
-    vllm_choice, skipped = static_choice(problem, spec, kv_cache_spelling=kv_cache_dtype)
+    static = static_choice(problem, spec, kv_cache_spelling=kv_cache_dtype)
+    vllm_choice = static.backend
 
     decisions, warning = _stored_decisions(db, key, info)
     if warning:
@@ -320,17 +321,16 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
             stale.append("; ".join(problems))
         why = (f"the tuned decision for {key.label} was measured with other software "
                f"({stale[0]}); re-run `mla-tune` to tune again")
-    return _fallback_choice(vllm_choice, skipped, problem, spec, key, why, kv_cache_dtype,
-                            warnings=(warning,) if warning else ())
+    return _fallback_choice(static, problem, spec, key, why, warnings=(warning,) if warning else ())
 
 
-def _fallback_choice(winner, skipped, problem, spec, key, why, kv_spelling, *, warnings) -> Choice:
+def _fallback_choice(static, problem, spec, key, why, *, warnings) -> Choice:
+    winner, skipped, order = static.backend, static.skipped, list(static.order)
     if winner is None:
         listed = "; ".join(f"{name}: {' '.join(texts)}" for name, texts in skipped.items())
-        raise NoEligibleBackendError(f"no MLA backend in vLLM's priority list can run {key.label} on "
-                         f"compute capability {spec.cc_label} ({listed})")
-    order = static_priority(compute_capability=spec.compute_capability, kv_cache_dtype=kv_spelling,
-                            num_heads=problem.num_heads)
+        raise NoEligibleBackendError(f"no MLA backend in vLLM's priority list ({static.rule}) can run "
+                                     f"{key.label} on compute capability {spec.cc_label} ({listed})")
+    why = f"{why}; vLLM's static choice by {static.rule}"
     reasons: dict[str, tuple[str, ...]] = {}
     for name in candidates():
         if name == winner:

@@ -122,7 +122,7 @@ def _candidates(work, device: DeviceInfo, options: TuneOptions) -> tuple[tuple[s
             runnable.append(name)
     static = options.static_choice
     if static is None:
-        static, _ = static_choice(work.problem, device.spec)
+        static = static_choice(work.problem, device.spec).backend
     return tuple(runnable), ineligible, static
 
 
