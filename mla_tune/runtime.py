@@ -203,7 +203,7 @@ def device_from(device) -> DeviceInfo:
 
 
 def _probe_local_uncached() -> DeviceInfo:
-    from mla_tune.tuner.probe import ProbeError, local_device
+    from mla_tune.backends.nvml_probe import ProbeError, local_device
 
     try:
         return local_device()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from mla_tune.backends.problem import Problem, Shape, kv_bytes_per_element
 from mla_tune.tuner.gate import check_output
+from mla_tune.tuner.probe import GpuSensors
 
 # Fraction of free GPU memory a shape may plan to use (allocator slack, library workspaces).
 MEMORY_HEADROOM = 0.85
@@ -97,34 +98,6 @@ def shape_bytes(problem: Problem, shape: Shape) -> int:
     return int(kv + q)
 
 
-class _Nvml:
-    """SM clock and temperature of the worker's GPU (None fields when NVML is unavailable)."""
-
-    def __init__(self, gpu: str | None):
-        self.handle = None
-        if gpu is None:
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.lib = pynvml
-            self.handle = (pynvml.nvmlDeviceGetHandleByUUID(gpu) if not gpu.isdigit()
-                           else pynvml.nvmlDeviceGetHandleByIndex(int(gpu)))
-        except Exception:  # noqa: BLE001 - clocks are optional facts, never a reason to fail
-            self.handle = None
-
-    def read(self) -> tuple[int | None, int | None]:
-        if self.handle is None:
-            return None, None
-        try:
-            clock = int(self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM))
-            temp = int(self.lib.nvmlDeviceGetTemperature(self.handle, self.lib.NVML_TEMPERATURE_GPU))
-            return clock, temp
-        except Exception:  # noqa: BLE001
-            return None, None
-
-
 def _is_fatal(exc: BaseException) -> bool:
     text = str(exc)
     return any(marker in text for marker in _FATAL_MARKERS)
@@ -182,7 +155,7 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
     if timed:
         if bench is None:
             from mla_tune.tuner.timing import time_interleaved as bench
-        measured = run.time_together(timed, steps, prepared, bench, _Nvml(gpu if run.on_cuda else None))
+        measured = run.time_together(timed, steps, prepared, bench, GpuSensors(gpu if run.on_cuda else None))
         if measured is not None:
             _report_results(steps, prepared, *measured, failed, emit)
             if run.on_cuda:
@@ -303,7 +276,7 @@ class _ShapeRun:
         finally:
             failed.report()
 
-    def time_together(self, timed: dict, steps: list[_Step], prepared: dict, bench: Callable, nvml: _Nvml):
+    def time_together(self, timed: dict, steps: list[_Step], prepared: dict, bench: Callable, nvml: GpuSensors):
         """(timings, clocks) of the interleaved timing of every step, or None when it raised (reported here)."""
         try:
             self.emit(("begin", None, "timing"))
