@@ -9,8 +9,7 @@ __version__ = "0.1.0"
 __all__ = ["Choice", "NoDeviceError", "NoEligibleBackendError", "TileChoice", "clear_cache", "kernel_tile", "lookup",
            "static_priority", "__version__"]
 
-_RUNTIME_NAMES = ("lookup", "Choice", "kernel_tile", "TileChoice", "NoDeviceError", "NoEligibleBackendError",
-                  "clear_cache")
+_RUNTIME_NAMES = ("lookup", "Choice", "NoDeviceError", "NoEligibleBackendError", "clear_cache")
 
 
 def __getattr__(name):
@@ -18,6 +17,11 @@ def __getattr__(name):
         from mla_tune import runtime
 
         globals()[name] = getattr(runtime, name)
+        return globals()[name]
+    if name in ("kernel_tile", "TileChoice"):
+        from mla_tune import tiles
+
+        globals()[name] = getattr(tiles, name)
         return globals()[name]
     if name == "static_priority":
         from mla_tune.backends.priority import static_priority
