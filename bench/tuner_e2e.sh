@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# The tuner end to end on one lent GPU: every number issue 5 asks for, in one device call.
+# The tuner end to end on one GPU node: cold and warm wall time, decision stability, resume.
 #
-# Run from the repository root on the device machine (carry: [".whl"], timeout_s 600):
-#     bash bench/tuner_e2e.sh
-# Everything lands under $OUT (at most 8 files):
+# Run from the repository root on a GPU machine with mla-tune[gpu] installed (wheels in .whl/ are
+# installed first when present, for machines without network access):
+#     OUT=out bash bench/tuner_e2e.sh
+# Everything lands under $OUT:
 #     e2e.log            all output, with the printed decision tables
-#     timings.txt        wall seconds of each stage (cold JIT, warm, --quick, main job)
+#     timings.txt        wall seconds of each stage (cold JIT, warm, --quick, resume)
 #     show_first.json    `mla-tune show --json` after the first (cold) default tune
 #     show_second.json   the same after the second (warm) default tune, a separate store
 #     stability.txt      bench/tuner_stability.py on the two (2% / 95% / noise criteria)
 #     show_quick.json    `mla-tune show --json` of the --quick tune
 #     show_multi_gpu.json  the same for `--gpus all` (stage 5, two or more GPUs)
 #
-# Stages (each guarded by `timeout`; 1-4 together 525 s, so one call of 600 s fits them):
+# Stages (each guarded by `timeout`; 1-4 together take at most 525 s):
 #  1. cold: fresh FlashInfer and Triton caches, `mla-tune tune --budget-s 255` (the default
 #     preset; the budget makes an over-long run stop and say so instead of being killed) into store 1;
 #  2. warm: same caches, the no-argument main job `mla-tune` into store 2 (a separate store, so
@@ -21,7 +22,7 @@
 #  4. resume: a 2-key quick tune with `--budget-s 20` into store 4 (stops early), then `--resume`
 #     finishes it; prints how many (key, backend, shape) were measured twice (must be 0);
 #  5. (only with 2+ GPUs) `--gpus all --quick` into store 5: parallel workers, one shared
-#     decision per key from both GPUs, a slower GPU reported. On nvidia-h200-x2: STAGES=5.
+#     decision per key from both GPUs, a slower GPU reported.
 # STAGES (default "1 2 3 4 5") picks stages; 2 needs 1's show_first.json for the stability check.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}

@@ -1,8 +1,12 @@
-"""Shared test set-up: the `gpu` marker is skipped centrally when no CUDA GPU is usable."""
+"""Shared test set-up: the `gpu` marker is skipped centrally when no CUDA GPU is usable; `no_gpu` makes NVML
+report no driver (tests/nvml_fake.py), so the no-GPU paths run on every machine."""
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +27,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """NVML without a driver in this process and in the subprocesses it starts, whatever GPUs the machine has."""
+    import nvml_fake
+
+    from mla_tune.runtime import clear_cache
+
+    monkeypatch.setitem(sys.modules, "pynvml", nvml_fake.FakeNVML(init_error="NVML Shared Library Not Found"))
+    shim = str(Path(__file__).parent / "nvml_absent")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")])))
+    clear_cache()
+    yield
+    clear_cache()
 
 
 # --- PostgreSQL and the store URL fixtures (store engineer) ------------------------------------------

@@ -1,6 +1,6 @@
 """A stand-in for the `pynvml` module (NVML cannot exist on a machine without an NVIDIA driver).
 
-Only the calls `tuner/probe.py` makes are implemented, with pynvml's shapes:
+Only the calls `backends/nvml_probe.py` and `tuner/probe.py` make are implemented, with pynvml's shapes:
 handles are opaque, names may be bytes, memory comes in bytes, power in mW,
 the CUDA driver version as 13000 for 13.0.
 """

@@ -52,3 +52,19 @@ def test_installed_names_live_under_mla_tune():
         "print(json.dumps({n: u.find_spec(n) is not None for n in "
         "('mla_tune.store', 'mla_tune.backends', 'mla_tune.tuner', 'mla_tune.cli')}))")
     assert all(out.values())
+
+
+def test_the_public_api_imports_no_tuner_code_even_when_it_probes_the_gpu(tmp_path):
+    from pathlib import Path
+
+    shim = str(Path(__file__).parent / "nvml_absent")   # NVML without a driver: the probe runs and fails
+    url = f"sqlite:///{tmp_path / 'none.db'}"
+    code = (
+        "import sys, json, mla_tune\n"
+        "try:\n"
+        f"    mla_tune.lookup(64, 'fp8', db={url!r})\n"
+        "except mla_tune.runtime.NoDeviceError as exc:\n"
+        "    probed = 'no NVIDIA GPU found' in str(exc)\n"
+        "print(json.dumps({'probed': probed, 'tuner': sorted(m for m in sys.modules if m.startswith('mla_tune.tuner'))}))")
+    out = run_python(code, PYTHONPATH=shim)
+    assert out == {"probed": True, "tuner": []}

@@ -1,7 +1,9 @@
-"""README.md stays true: CI runs its test command verbatim, and its support matrix matches the registry."""
+"""README.md stays true: CI runs its test command verbatim, the command table lists every command and option,
+every name its Python example uses exists, and the support matrix (docs/support.md) matches the registry."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -19,6 +21,10 @@ def readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
+def support_doc() -> str:
+    return (ROOT / "docs" / "support.md").read_text()
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     block = readme().split("<!-- ci:test-command", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
     assert "\n" not in block.strip()
@@ -26,8 +32,58 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert block.strip() in ci_lines
 
 
+def test_ci_runs_the_slow_tests_too():
+    assert "pytest -m slow" in (ROOT / ".ci" / "run").read_text()
+
+
+def _commands():
+    """(`mla-tune ...` words, click command) of every leaf command."""
+    import click
+
+    from mla_tune.cli.main import main
+
+    def walk(group, words):
+        for name, command in group.commands.items():
+            if isinstance(command, click.Group):
+                yield from walk(command, [*words, name])
+            else:
+                yield " ".join([*words, name]), command
+    return list(walk(main, ["mla-tune"]))
+
+
+def test_the_command_table_lists_every_command_with_every_option():
+    rows = {}
+    for line in readme().split("## Command line", 1)[1].split("\n## ", 1)[0].splitlines():
+        if line.startswith("| `mla-tune"):
+            usage = line.split("`")[1]
+            words = itertools.takewhile(lambda w: re.fullmatch(r"[a-z][a-z-]*", w), usage.split())
+            rows[" ".join(words)] = usage
+    for words, command in _commands():
+        assert words in rows, f"README's command table has no row for `{words}`"
+        for param in command.params:
+            for flag in param.opts:
+                if flag.startswith("--") and flag != "--help":
+                    assert flag in rows[words], f"`{words}`: README's table does not show {flag}"
+
+
+def test_every_name_of_the_python_example_exists():
+    import mla_tune
+
+    block = readme().split("## Python API", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    names = set(re.findall(r"mla_tune\.(\w+)", block)) | set(re.findall(r"`mla_tune\.(\w+)`", readme()))
+    assert {"lookup", "NoDeviceError"} <= names
+    for name in names:
+        assert hasattr(mla_tune, name), f"README uses mla_tune.{name}, which `import mla_tune` does not have"
+
+
+def test_readme_links_stay_inside_the_repository():
+    for target in re.findall(r"\]\(([^)#]+)", readme()):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
+
+
 def matrix_rows() -> tuple[list[str], dict[str, list[str]]]:
-    text = readme().split("<!-- support-matrix", 1)[1].splitlines()
+    text = support_doc().split("<!-- support-matrix", 1)[1].splitlines()
     start = next(i for i, line in enumerate(text) if line.startswith("|"))
     lines = []
     for line in text[start:]:  # the table ends at its first non-table line

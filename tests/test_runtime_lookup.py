@@ -179,15 +179,7 @@ def test_bool_heads_is_not_served_from_the_memo_of_one(h100_db):
         mla_tune.lookup(True, "bf16", device=H100_ARG, db=h100_db)
 
 
-def test_no_gpu_and_no_device_is_a_clear_value_error(monkeypatch):
-    from mla_tune.tuner.probe import ProbeError, probe_devices
-
-    try:
-        probe_devices()
-    except ProbeError:
-        pass
-    else:
-        pytest.skip("this machine has an NVIDIA GPU")
+def test_no_gpu_and_no_device_is_a_clear_value_error(no_gpu):
     with pytest.raises(NoDeviceError, match="pass device=") as info:
         mla_tune.lookup(64, "fp8")
     assert isinstance(info.value, ValueError) and "no NVIDIA GPU found" in info.value.detail

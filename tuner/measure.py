@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from mla_tune.backends.problem import Problem, Shape, kv_bytes_per_element
 from mla_tune.tuner.gate import check_output
+from mla_tune.tuner.probe import GpuSensors
 
 # Fraction of free GPU memory a shape may plan to use (allocator slack, library workspaces).
 MEMORY_HEADROOM = 0.85
@@ -97,34 +98,6 @@ def shape_bytes(problem: Problem, shape: Shape) -> int:
     return int(kv + q)
 
 
-class _Nvml:
-    """SM clock and temperature of the worker's GPU (None fields when NVML is unavailable)."""
-
-    def __init__(self, gpu: str | None):
-        self.handle = None
-        if gpu is None:
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.lib = pynvml
-            self.handle = (pynvml.nvmlDeviceGetHandleByUUID(gpu) if not gpu.isdigit()
-                           else pynvml.nvmlDeviceGetHandleByIndex(int(gpu)))
-        except Exception:  # noqa: BLE001 - clocks are optional facts, never a reason to fail
-            self.handle = None
-
-    def read(self) -> tuple[int | None, int | None]:
-        if self.handle is None:
-            return None, None
-        try:
-            clock = int(self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM))
-            temp = int(self.lib.nvmlDeviceGetTemperature(self.handle, self.lib.NVML_TEMPERATURE_GPU))
-            return clock, temp
-        except Exception:  # noqa: BLE001
-            return None, None
-
-
 def _is_fatal(exc: BaseException) -> bool:
     text = str(exc)
     return any(marker in text for marker in _FATAL_MARKERS)
@@ -170,118 +143,177 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
     """
     import torch
 
-    from mla_tune.backends.inputs import make_inputs
-    from mla_tune.backends.interface import BackendUnavailable
-    from mla_tune.backends.reference import TorchReference
+    run = _ShapeRun(task, emit, torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
+    if not run.fits_in_memory() or not run.build_inputs():
+        return
+    steps = _steps(task, task.problem, run.inputs, dict(task.adapters), emit)
+    failed = _Failures(steps, emit)
+    prepared = run.prepare_and_gate(steps, failed)
+    failed.report()
+    timed = run.graphs_or_calls(prepared, steps, failed) if prepared else {}
+    prepared = {name: p for name, p in prepared.items() if name in timed}
+    if timed:
+        if bench is None:
+            from mla_tune.tuner.timing import time_interleaved as bench
+        measured = run.time_together(timed, steps, prepared, bench, GpuSensors(gpu if run.on_cuda else None))
+        if measured is not None:
+            _report_results(steps, prepared, *measured, failed, emit)
+            if run.on_cuda:
+                run.info["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(run.dev))
+            run.info["pid"] = os.getpid()
+    emit(("shape_done", run.info))
 
-    problem, shape = task.problem, task.shape
-    overrides = dict(task.adapters)
-    on_cuda = device == "cuda"
-    dev = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
-    info: dict = {"prepare_s": {}}
-    free_bytes = None
-    if on_cuda:
+
+class _ShapeRun:
+    """The steps of `measure_shape` on one shape: memory check, inputs and reference, prepare and gate, timing.
+
+    Each step reports through `emit` and records seconds in `info`; one that ends the shape early says so by its
+    return value (False or None).
+    """
+
+    def __init__(self, task: ShapeTask, emit: Callable[[tuple], None], dev):
+        self.task, self.problem, self.emit, self.dev = task, task.problem, emit, dev
+        self.on_cuda = dev.type == "cuda"
+        self.info: dict = {"prepare_s": {}}
+        self.inputs = self.ref = None
+        self._timing_t0 = time.perf_counter()
+
+    def fits_in_memory(self) -> bool:
+        """False (and `shape_skipped` sent) when the shape's inputs and workspaces cannot fit the free GPU memory."""
+        if not self.on_cuda:
+            return True
+        import torch
+
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        free_bytes, _ = torch.cuda.mem_get_info(dev)
+        torch.cuda.reset_peak_memory_stats(self.dev)
+        free_bytes, _ = torch.cuda.mem_get_info(self.dev)
         # Inputs, plus either one rotated copy or (FP8) the bf16 draft the cache is quantised from,
         # which is twice the FP8 cache; then each backend's workspace and outputs.
-        factor = 3 if problem.kv_cache_dtype.startswith("fp8") else 2
-        need = shape_bytes(problem, shape) * factor + BACKEND_WORKSPACE_BYTES * len(task.backends)
-        if need > free_bytes * MEMORY_HEADROOM:
-            emit(("shape_skipped", f"needs about {need / 2**30:.1f} GiB for inputs, a rotated copy and "
-                                   f"workspaces, but only {free_bytes / 2**30:.1f} GiB of GPU memory is free"))
-            return
-    t0 = time.perf_counter()
-    try:
-        inputs = make_inputs(problem, shape, device=dev, seed=task.seed)
-        ref_out, ref_lse = TorchReference().prepare(problem, inputs).run(inputs)
-        if on_cuda:
-            torch.cuda.synchronize(dev)
-    except torch.OutOfMemoryError as exc:
-        emit(("shape_skipped", f"out of memory building inputs or the reference: {describe_exception(exc)}"))
-        return
-    info["inputs_and_reference_s"] = time.perf_counter() - t0
+        factor = 3 if self.problem.kv_cache_dtype.startswith("fp8") else 2
+        need = (shape_bytes(self.problem, self.task.shape) * factor
+                + BACKEND_WORKSPACE_BYTES * len(self.task.backends))
+        if need <= free_bytes * MEMORY_HEADROOM:
+            return True
+        self.emit(("shape_skipped", f"needs about {need / 2**30:.1f} GiB for inputs, a rotated copy and "
+                                    f"workspaces, but only {free_bytes / 2**30:.1f} GiB of GPU memory is free"))
+        return False
 
-    steps = _steps(task, problem, inputs, overrides, emit)
-    backend_of = {step.name: step.backend for step in steps}
-    prepared: dict = {}   # step name -> (runner, rel_error, prepare_s)
-    failed = _Failures(steps, emit)
-    for step in steps:
-        emit(("begin", step.backend, "prepare"))
+    def build_inputs(self) -> bool:
+        """Random inputs and the float32 reference's output; False (and `shape_skipped` sent) when out of memory."""
+        import torch
+
+        from mla_tune.backends.inputs import make_inputs
+        from mla_tune.backends.reference import TorchReference
+
         t0 = time.perf_counter()
         try:
-            runner = step.adapter.prepare(problem, inputs)
-            out, lse = runner.run(inputs)
-            if on_cuda:
-                torch.cuda.synchronize(dev)
+            self.inputs = make_inputs(self.problem, self.task.shape, device=self.dev, seed=self.task.seed)
+            self.ref = TorchReference().prepare(self.problem, self.inputs).run(self.inputs)
+            self._sync()
+        except torch.OutOfMemoryError as exc:
+            self.emit(("shape_skipped", f"out of memory building inputs or the reference: "
+                                        f"{describe_exception(exc)}"))
+            return False
+        self.info["inputs_and_reference_s"] = time.perf_counter() - t0
+        return True
+
+    def prepare_and_gate(self, steps: list[_Step], failed: _Failures) -> dict:
+        """Prepare each step and gate its first output; step name -> (runner, rel_error, prepare_s) of those that
+        pass. A failure goes to `failed`."""
+        prepared = {}
+        for step in steps:
+            self.emit(("begin", step.backend, "prepare"))
+            done = self._prepare_one(step, failed)
+            if done is not None:
+                prepared[step.name] = done
+        return prepared
+
+    def _prepare_one(self, step: _Step, failed: _Failures):
+        import torch
+
+        from mla_tune.backends.interface import BackendUnavailable
+
+        t0 = time.perf_counter()
+        try:
+            runner = step.adapter.prepare(self.problem, self.inputs)
+            out, lse = runner.run(self.inputs)
+            self._sync()
             prepare_s = time.perf_counter() - t0
-            info["prepare_s"][step.name] = prepare_s
-            verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
+            self.info["prepare_s"][step.name] = prepare_s
+            verdict = check_output(out, lse, *self.ref, kv_cache_dtype=self.problem.kv_cache_dtype)
         except BackendUnavailable as exc:
             failed[step.name] = Outcome("ineligible", reason=f"rejected at prepare: {exc}")
-            continue
+            return None
         except torch.OutOfMemoryError as exc:
-            if on_cuda:
+            if self.on_cuda:
                 torch.cuda.empty_cache()
             failed[step.name] = Outcome("failed", reason=f"out of memory at prepare: {describe_exception(exc)}")
-            continue
+            return None
         except Exception as exc:  # noqa: BLE001 - a failure is data
             failed[step.name] = Outcome("failed", reason=f"prepare or first run raised {describe_exception(exc)}")
-            if on_cuda and _is_fatal(exc):
+            if self.on_cuda and _is_fatal(exc):
                 failed.report()
                 raise PoisonedContext(describe_exception(exc)) from exc
-            continue
+            return None
         if not verdict.ok:
             failed[step.name] = Outcome("incorrect", rel_error=verdict.rel_error, reason=verdict.reason,
                                         prepare_s=prepare_s)
-            continue
-        prepared[step.name] = (runner, verdict.rel_error, prepare_s)
-    failed.report()
-    if not prepared:
-        emit(("shape_done", info))
-        return
+            return None
+        return runner, verdict.rel_error, prepare_s
 
-    runners = {name: p[0] for name, p in prepared.items()}
-    if bench is None:
-        from mla_tune.tuner.timing import time_interleaved as bench
-    nvml = _Nvml(gpu if on_cuda else None)
-    t0 = time.perf_counter()
-    if on_cuda:
-        free_now, _ = torch.cuda.mem_get_info(dev)
+    def graphs_or_calls(self, prepared: dict, steps: list[_Step], failed: _Failures) -> dict:
+        """What the timing replays: a CUDA graph per step over cold-L2 input copies, or (CPU) a plain call."""
+        self._timing_t0 = time.perf_counter()  # timing_s includes graph capture: both are the cost of timing
+        if not self.on_cuda:
+            return {name: (lambda r=p[0]: r.run(self.inputs)) for name, p in prepared.items()}
+        import torch
+
+        free_now, _ = torch.cuda.mem_get_info(self.dev)
         try:
-            timed = _gpu_steps(runners, inputs, free_bytes=int(free_now * MEMORY_HEADROOM), emit=emit,
-                               backend_of=backend_of, on_failure=failed.__setitem__)
+            return _gpu_steps({name: p[0] for name, p in prepared.items()}, self.inputs,
+                              free_bytes=int(free_now * MEMORY_HEADROOM), emit=self.emit,
+                              backend_of={step.name: step.backend for step in steps}, on_failure=failed.__setitem__)
         finally:
             failed.report()
-        prepared = {name: p for name, p in prepared.items() if name in timed}
-    else:
-        timed = {name: (lambda r=r: r.run(inputs)) for name, r in runners.items()}
-    if not timed:
-        emit(("shape_done", info))
-        return
-    try:
-        emit(("begin", None, "timing"))
-        clock_before, temp_before = nvml.read()
-        timings = bench(timed, rel_ci_target=task.rel_ci_target, max_seconds=task.max_seconds)
-        clock_after, temp_after = nvml.read()
-    except Exception as exc:  # noqa: BLE001
+
+    def time_together(self, timed: dict, steps: list[_Step], prepared: dict, bench: Callable, nvml: GpuSensors):
+        """(timings, clocks) of the interleaved timing of every step, or None when it raised (reported here)."""
+        try:
+            self.emit(("begin", None, "timing"))
+            clock_before, temp_before = nvml.read()
+            timings = bench(timed, rel_ci_target=self.task.rel_ci_target, max_seconds=self.task.max_seconds)
+            clock_after, temp_after = nvml.read()
+        except Exception as exc:  # noqa: BLE001 - a failure is data
+            self._report_timing_failure(exc, timed, steps, prepared)
+            return None
+        self.info["timing_s"] = time.perf_counter() - self._timing_t0
+        return timings, dict(sm_clock_mhz_before=clock_before, sm_clock_mhz_after=clock_after,
+                             temperature_c_before=temp_before, temperature_c_after=temp_after)
+
+    def _report_timing_failure(self, exc: Exception, timed: dict, steps: list[_Step], prepared: dict) -> None:
         reason = f"interleaved timing raised {describe_exception(exc)}"
+        backend_of = {step.name: step.backend for step in steps}
         backends = tuple(dict.fromkeys(backend_of[name] for name in timed))
         if len(backends) == 1:
-            name = next(iter(prepared))
-            _, rel, prepare_s = prepared[name]
-            emit(("result", backends[0], Outcome("failed", rel_error=rel, prepare_s=prepare_s, reason=reason)))
+            _, rel, prepare_s = next(iter(prepared.values()))
+            self.emit(("result", backends[0], Outcome("failed", rel_error=rel, prepare_s=prepare_s, reason=reason)))
         else:
             # Which backend broke it is unknown: the parent times each one alone to find out.
-            emit(("timing_failed", reason, backends))
-        if on_cuda and _is_fatal(exc):
+            self.emit(("timing_failed", reason, backends))
+        if self.on_cuda and _is_fatal(exc):
             raise PoisonedContext(describe_exception(exc)) from exc
-        emit(("shape_done", info))
-        return
-    info["timing_s"] = time.perf_counter() - t0
-    clocks = dict(sm_clock_mhz_before=clock_before, sm_clock_mhz_after=clock_after,
-                  temperature_c_before=temp_before, temperature_c_after=temp_after)
+
+    def _sync(self) -> None:
+        if self.on_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.dev)
+
+
+def _report_results(steps: list[_Step], prepared: dict, timings: dict, clocks: dict, failed: _Failures,
+                    emit: Callable[[tuple], None]) -> None:
+    """One `result` per backend that reached the timing: its fastest candidate's time (a refined backend's
+    measurement also records which tile won and why others were left out)."""
     for backend in dict.fromkeys(step.backend for step in steps):
         mine = [step for step in steps if step.backend == backend and step.name in prepared]
         if not mine:
@@ -299,10 +331,6 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
                                          ci_low_ms=float(timing.ci_low_ms), ci_high_ms=float(timing.ci_high_ms),
                                          samples=int(timing.samples), rel_error=rel, prepare_s=prepare_s,
                                          clocks=clocks, params=params)))
-    if on_cuda:
-        info["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(dev))
-    info["pid"] = os.getpid()
-    emit(("shape_done", info))
 
 
 @dataclass(frozen=True)

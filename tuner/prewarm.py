@@ -4,7 +4,7 @@ FlashInfer compiles one module per (backend, dtype) on first use, about 25 s
 each on a fresh machine; inside the tune they would compile one after the
 other as keys come up. Here each needed (backend, problem kind) gets its own
 short-lived worker that prepares it on a tiny shape, all at once, so the
-compiles overlap (as `bench/warm_jit.py` does). Nothing is timed or stored:
+compiles overlap. Nothing is timed or stored:
 a backend that fails here fails again, and is recorded, in the real units.
 With a warm cache this costs one worker start (a few seconds).
 """

@@ -1,143 +1,20 @@
-"""The NVML probe: what GPUs (and MIG instances) this node has, and whether they are busy.
+"""The tuner's NVML questions: is a GPU idle enough to time kernels on, and its SM clock and temperature.
 
-Uses `pynvml` (nvidia-ml-py), never torch, so probing is cheap and works in
-a process that has not touched CUDA. Every function takes an optional `nvml`
-module so tests can inject a fake; the real one is `pynvml`.
+What GPUs this node has is `backends/nvml_probe.py` (the runtime lookup needs it too); its names are
+re-exported here for the CLI and the tuner.
 """
 
 from __future__ import annotations
 
 import os
-import re
 
-from mla_tune.backends.device import DeviceInfo
+from mla_tune.backends.nvml_probe import (NvmlSession, ProbeError, local_device, optional_call,
+                                          probe_devices)
+
+__all__ = ["BUSY_UTILIZATION_PERCENT", "GpuSensors", "ProbeError", "device_busy_reasons", "local_device",
+           "probe_devices"]
 
 BUSY_UTILIZATION_PERCENT = 5   # above this, someone else is computing on the GPU
-
-
-class ProbeError(RuntimeError):
-    """NVML is unusable: no driver, no GPU, or the library is missing. The message is one line."""
-
-
-def _load_nvml(nvml):
-    if nvml is not None:
-        return nvml
-    try:
-        import pynvml
-    except ImportError as exc:
-        raise ProbeError(f"nvidia-ml-py is not installed ({exc})") from None
-    return pynvml
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _optional(call, *args, default=None):
-    """NVML calls a GPU may not support (power limit on some boards, MIG on most) return `default`."""
-    try:
-        return call(*args)
-    except Exception:  # noqa: BLE001 - pynvml raises a zoo of NVMLError subclasses
-        return default
-
-
-class _Session:
-    """nvmlInit ... nvmlShutdown, turning an init failure into one ProbeError line."""
-
-    def __init__(self, nvml):
-        self.nvml = _load_nvml(nvml)
-
-    def __enter__(self):
-        try:
-            self.nvml.nvmlInit()
-        except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-            detail = " ".join(str(exc).split()) or type(exc).__name__
-            raise ProbeError(f"no NVIDIA GPU found: NVML could not start ({detail})") from None
-        return self.nvml
-
-    def __exit__(self, *exc_info):
-        _optional(self.nvml.nvmlShutdown)
-
-
-def _mig_profile(name: str) -> str | None:
-    """"NVIDIA H100 80GB HBM3 MIG 3g.40gb" -> "3g.40gb"."""
-    match = re.search(r"MIG\s+(\S+)\s*$", name)
-    return match.group(1) if match else None
-
-
-def _describe(nvml, handle, *, index: int, parent=None, common: dict) -> DeviceInfo:
-    cc_source = parent if parent is not None else handle
-    major, minor = nvml.nvmlDeviceGetCudaComputeCapability(cc_source)
-    memory = _optional(nvml.nvmlDeviceGetMemoryInfo, handle)
-    pci = _optional(nvml.nvmlDeviceGetPciInfo, cc_source)
-    clock = _optional(nvml.nvmlDeviceGetMaxClockInfo, cc_source, getattr(nvml, "NVML_CLOCK_SM", 1), default=0)
-    power_mw = _optional(nvml.nvmlDeviceGetPowerManagementLimit, cc_source, default=0)
-    name = _text(nvml.nvmlDeviceGetName(handle))
-    return DeviceInfo(
-        name=name if parent is None else _text(nvml.nvmlDeviceGetName(parent)),
-        compute_capability=(int(major), int(minor)),
-        uuid=_text(_optional(nvml.nvmlDeviceGetUUID, handle, default="")),
-        index=index,
-        memory_total_mib=int(memory.total // (1024 * 1024)) if memory is not None else 0,
-        max_sm_clock_mhz=int(clock or 0),
-        power_limit_w=float(power_mw or 0) / 1000.0,
-        mig_mode=parent is not None or common.get("mig_enabled", False),
-        mig_profile=_mig_profile(name) if parent is not None else None,
-        pci_device_id=f"0x{int(pci.pciDeviceId) & 0xFFFFFFFF:08X}" if pci is not None else "",
-        driver_version=common["driver_version"],
-        cuda_driver_version=common["cuda_driver_version"],
-    )
-
-
-def _common(nvml) -> dict:
-    cuda = _optional(getattr(nvml, "nvmlSystemGetCudaDriverVersion_v2", nvml.nvmlSystemGetCudaDriverVersion),
-                     default=0) or 0
-    return {"driver_version": _text(_optional(nvml.nvmlSystemGetDriverVersion, default="")),
-            "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else ""}
-
-
-def _mig_handles(nvml, handle) -> tuple[bool, list]:
-    """(MIG mode on, handles of its instances)."""
-    mode = _optional(nvml.nvmlDeviceGetMigMode, handle)
-    enabled = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
-    if not mode or mode[0] != enabled:
-        return False, []
-    handles = []
-    for slot in range(_optional(nvml.nvmlDeviceGetMaxMigDeviceCount, handle, default=0) or 0):
-        mig = _optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
-        if mig is not None:
-            handles.append(mig)
-    return True, handles
-
-
-def probe_devices(*, nvml=None) -> list[DeviceInfo]:
-    """Every GPU of this node; a GPU in MIG mode is listed as its MIG instances instead.
-
-    Args:
-        nvml: the NVML module (default `pynvml`); tests inject a fake.
-
-    Returns:
-        One `DeviceInfo` per GPU or MIG instance, in NVML index order. MIG
-        instances carry the parent's name and compute capability, their own
-        memory and UUID, and `mig_profile` (e.g. "3g.40gb"), which is part of
-        the SKU.
-
-    Raises:
-        ProbeError: NVML cannot start (no driver, no GPU) or reports no GPU.
-    """
-    with _Session(nvml) as lib:
-        common = _common(lib)
-        devices: list[DeviceInfo] = []
-        for index in range(lib.nvmlDeviceGetCount()):
-            handle = lib.nvmlDeviceGetHandleByIndex(index)
-            mig_enabled, migs = _mig_handles(lib, handle)
-            if not migs:
-                devices.append(_describe(lib, handle, index=index, common={**common, "mig_enabled": mig_enabled}))
-            for mig in migs:
-                devices.append(_describe(lib, mig, index=index, parent=handle, common=dict(common)))
-    if not devices:
-        raise ProbeError("no NVIDIA GPU found: NVML started but reports 0 devices")
-    return devices
 
 
 def device_busy_reasons(index: int, *, nvml=None, own_pid: int | None = None) -> list[str]:
@@ -153,46 +30,47 @@ def device_busy_reasons(index: int, *, nvml=None, own_pid: int | None = None) ->
     """
     own_pid = os.getpid() if own_pid is None else own_pid
     reasons: list[str] = []
-    with _Session(nvml) as lib:
+    with NvmlSession(nvml) as lib:
         count = lib.nvmlDeviceGetCount()
         if not isinstance(index, int) or not 0 <= index < count:
             raise ProbeError(f"GPU index {index!r} does not exist (this node has {count} GPUs)")
         handle = lib.nvmlDeviceGetHandleByIndex(index)
-        processes = list(_optional(lib.nvmlDeviceGetComputeRunningProcesses, handle, default=[]) or [])
-        processes += list(_optional(lib.nvmlDeviceGetGraphicsRunningProcesses, handle, default=[]) or [])
+        processes = list(optional_call(lib.nvmlDeviceGetComputeRunningProcesses, handle, default=[]) or [])
+        processes += list(optional_call(lib.nvmlDeviceGetGraphicsRunningProcesses, handle, default=[]) or [])
         others = sorted({int(p.pid) for p in processes if int(p.pid) != own_pid})
         if others:
             listed = ", ".join(str(pid) for pid in others[:8]) + (", ..." if len(others) > 8 else "")
             reasons.append(f"{len(others)} other process(es) use GPU {index} (pid {listed})")
-        rates = _optional(lib.nvmlDeviceGetUtilizationRates, handle)
+        rates = optional_call(lib.nvmlDeviceGetUtilizationRates, handle)
         if rates is not None and int(rates.gpu) > BUSY_UTILIZATION_PERCENT:
             reasons.append(f"GPU {index} utilisation is {int(rates.gpu)}% "
                            f"(above {BUSY_UTILIZATION_PERCENT}%)")
     return reasons
 
 
-def local_device(*, nvml=None) -> DeviceInfo:
-    """The GPU this process would use: the first of `CUDA_VISIBLE_DEVICES`, else GPU 0.
+class GpuSensors:
+    """SM clock and temperature of the worker's GPU (None fields when NVML is unavailable)."""
 
-    `CUDA_VISIBLE_DEVICES` may list indices or UUIDs (`GPU-...`, `MIG-...`).
+    def __init__(self, gpu: str | None):
+        self.handle = None
+        if gpu is None:
+            return
+        try:
+            import pynvml
 
-    Raises:
-        ProbeError: no GPU, or `CUDA_VISIBLE_DEVICES` names none of this node's GPUs.
-    """
-    devices = probe_devices(nvml=nvml)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not visible.strip():
-        if visible is not None:
-            raise ProbeError("CUDA_VISIBLE_DEVICES is empty: this process sees no GPU")
-        return devices[0]
-    first = visible.split(",")[0].strip()
-    if first.isdigit():
-        ordinal = int(first)
-        by_index = [d for d in devices if d.index == ordinal]
-        if by_index:
-            return by_index[0]
-    else:
-        for device in devices:
-            if device.uuid and (device.uuid == first or device.uuid.startswith(first)):
-                return device
-    raise ProbeError(f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU of this node")
+            pynvml.nvmlInit()
+            self.lib = pynvml
+            self.handle = (pynvml.nvmlDeviceGetHandleByUUID(gpu) if not gpu.isdigit()
+                           else pynvml.nvmlDeviceGetHandleByIndex(int(gpu)))
+        except Exception:  # noqa: BLE001 - clocks are optional facts, never a reason to fail
+            self.handle = None
+
+    def read(self) -> tuple[int | None, int | None]:
+        if self.handle is None:
+            return None, None
+        try:
+            clock = int(self.lib.nvmlDeviceGetClockInfo(self.handle, self.lib.NVML_CLOCK_SM))
+            temp = int(self.lib.nvmlDeviceGetTemperature(self.handle, self.lib.NVML_TEMPERATURE_GPU))
+            return clock, temp
+        except Exception:  # noqa: BLE001
+            return None, None

@@ -12,10 +12,7 @@ them measured is reported.
 
 from __future__ import annotations
 
-import math
 import socket
-import statistics
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -23,18 +20,13 @@ from dataclasses import dataclass, field
 
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
 from mla_tune.store.records import Decision, DecisionKey, Measurement
-from mla_tune.tuner.decide import NoDecision, decide, family, with_anomalies
+from mla_tune.tuner.decide import family, with_anomalies
 from mla_tune.tuner.lock import GpuLock
-from mla_tune.tuner.measure import Outcome, ShapeTask
-from mla_tune.tuner.plan import (KeyPlan, Unit, check_budget, done_shapes, estimate_s, plan_units,
-                                 unit_estimate_s)
+from mla_tune.tuner.plan import KeyPlan, check_budget, done_shapes, estimate_s
 from mla_tune.tuner.presets import SHAPE_TIME_CAP_S, TuneSpec, expand_keys
 from mla_tune.tuner.prewarm import JIT_PREFIXES, jit_tasks, prewarm
 from mla_tune.tuner.progress import TuneProgress
-from mla_tune.tuner.worker import Worker
-
-# A GPU whose times on the common shapes are this much above its siblings' median is reported.
-SLOW_GPU_RATIO = 1.10
+from mla_tune.tuner.sku_tune import SkuTune
 
 
 class TuneError(RuntimeError):
@@ -100,12 +92,6 @@ class TuneReport:
     fingerprints: dict[str, str] = field(default_factory=dict)                      # SKU -> software digest used
 
 
-def _now_iso() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
 def _candidates(work, device: DeviceInfo, options: TuneOptions) -> tuple[tuple[str, ...], dict[str, str], str | None]:
     """(backends to time, {ineligible backend: reasons}, vLLM's static choice) for one key on one SKU."""
     if options.adapters is not None:
@@ -124,209 +110,6 @@ def _candidates(work, device: DeviceInfo, options: TuneOptions) -> tuple[tuple[s
     if static is None:
         static = static_choice(work.problem, device.spec).backend
     return tuple(runnable), ineligible, static
-
-
-def _measurement(key: DecisionKey, backend: str, unit: Unit, outcome: Outcome, gpu_uuid: str) -> Measurement:
-    clocks = outcome.clocks or {}
-    return Measurement(key=key, backend=backend, batch_size=unit.shape.batch_size, kv_len=unit.shape.kv_len,
-                       status=outcome.status, median_ms=outcome.median_ms, ci_low_ms=outcome.ci_low_ms,
-                       ci_high_ms=outcome.ci_high_ms, samples=outcome.samples, rel_error=outcome.rel_error,
-                       reason=outcome.reason, gpu_uuid=gpu_uuid,
-                       sm_clock_mhz_before=clocks.get("sm_clock_mhz_before"),
-                       sm_clock_mhz_after=clocks.get("sm_clock_mhz_after"),
-                       temperature_c_before=clocks.get("temperature_c_before"),
-                       temperature_c_after=clocks.get("temperature_c_after"),
-                       measured_at=_now_iso(), params=outcome.params)
-
-
-class _SkuTune:
-    """The tune of one SKU: its GPUs, plans, shared units, and the decisions they produce."""
-
-    def __init__(self, store, devices: Sequence[DeviceInfo], plans: list[KeyPlan], *,
-                 fingerprint: SoftwareFingerprint, options: TuneOptions, max_seconds: float,
-                 report: TuneReport, progress: TuneProgress, deadline: float | None, preset: str):
-        self.store, self.devices, self.plans = store, list(devices), plans
-        self.fingerprint, self.options, self.max_seconds = fingerprint, options, max_seconds
-        self.report, self.progress, self.deadline, self.preset = report, progress, deadline, preset
-        self.lock = threading.Lock()
-        self.units = plan_units(plans, [d.uuid for d in self.devices])
-        self.remaining = defaultdict(int)
-        for u in self.units:
-            self.remaining[u.key_index] += 1
-        self.new: dict[int, list[Measurement]] = defaultdict(list)
-        self.unit_seconds: list[float] = []
-        self.errors: list[BaseException] = []
-        self.run_ids: dict[str, int] = {}
-        self.stopped = False
-        self.aborted = False           # the main thread was interrupted: drop shapes in flight
-        self._first_shape_done: set[int] = set()
-
-    def _next_unit(self, gpu: str) -> Unit | None:
-        with self.lock:
-            if self.stopped:
-                return None
-            for i, unit in enumerate(self.units):
-                if unit.gpu not in (None, gpu):
-                    continue
-                if self.deadline is not None:
-                    plan = self.plans[unit.key_index]
-                    guess = (statistics.median(self.unit_seconds) if self.unit_seconds
-                             else unit_estimate_s(len(plan.backends), self.max_seconds))
-                    if time.monotonic() + guess > self.deadline:
-                        self.report.budget_exhausted = True
-                        self.stopped = True
-                        return None
-                return self.units.pop(i)
-            return None
-
-    def _gpu_loop(self, device: DeviceInfo) -> None:
-        opts = self.options
-        # The worker sees only its GPU; by UUID, so a parent CUDA_VISIBLE_DEVICES cannot renumber it.
-        cuda_visible = device.uuid or str(device.index)
-        worker = Worker(cuda_visible=cuda_visible, device=opts.worker_device,
-                        gpu=(device.uuid or str(device.index)) if opts.worker_device == "cuda" else None,
-                        bench=opts.bench, timeouts_s=dict(opts.timeouts_s or {}))
-        try:
-            while True:
-                unit = self._next_unit(device.uuid)
-                if unit is None:
-                    return
-                self._measure(worker, device, unit)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
-            with self.lock:
-                self.errors.append(exc)
-                self.stopped = True
-        finally:
-            worker.close()
-
-    def _measure(self, worker: Worker, device: DeviceInfo, unit: Unit) -> None:
-        plan = self.plans[unit.key_index]
-        task = ShapeTask(plan.work.problem, unit.shape, plan.backends, self.options.seed,
-                         self.options.rel_ci_target, self.max_seconds,
-                         tuple((self.options.adapters or {}).items()))
-        started = time.monotonic()
-        self.progress.unit_started(plan.key, unit.shape, device)
-        result = worker.run_shape(task, on_event=lambda ev: self.progress.event(device, ev))
-        if self.aborted:
-            return  # interrupted: the workers were stopped under this shape; record nothing
-        rows = []
-        if result.skipped_reason is not None:
-            rows = [_measurement(plan.key, name, unit, Outcome("skipped", reason=result.skipped_reason),
-                                 device.uuid) for name in plan.backends]
-            with self.lock:
-                self.report.notes.append(f"{plan.key.label}: batch {unit.shape.batch_size} x kv_len "
-                                         f"{unit.shape.kv_len} skipped on GPU {device.index}: {result.skipped_reason}")
-        else:
-            rows = [_measurement(plan.key, name, unit, outcome, device.uuid)
-                    for name, outcome in result.outcomes.items()]
-        with self.lock:
-            first = unit.key_index not in self._first_shape_done
-            self._first_shape_done.add(unit.key_index)
-        if first:
-            # Ineligible backends are stored once per key, at its first measured shape, with their reasons.
-            rows += [_measurement(plan.key, name, unit, Outcome("ineligible", reason=why), device.uuid)
-                     for name, why in plan.ineligible.items()]
-        for row in rows:
-            self.store.add_measurement(self.run_ids[device.uuid], row)
-        elapsed = time.monotonic() - started
-        info = result.info
-        with self.lock:
-            self.new[unit.key_index].extend(rows)
-            prep = sum((info.get("prepare_s") or {}).values())
-            parts = {"worker start (torch import, CUDA init)": info.get("worker_start_s", 0.0),
-                     "prepare (JIT, plan, first run)": prep,
-                     "inputs and float32 reference": info.get("inputs_and_reference_s", 0.0),
-                     "graph capture and timing": info.get("timing_s", 0.0)}
-            parts["correctness gate, store and other"] = max(0.0, elapsed - sum(parts.values()))
-            for name, secs in parts.items():
-                self.report.seconds[name] += secs
-            if "peak_memory_bytes" in info:
-                self.report.peak_memory_bytes[device.uuid] = max(self.report.peak_memory_bytes.get(device.uuid, 0),
-                                                                 int(info["peak_memory_bytes"]))
-            if result.restarts:
-                self.report.notes.append(f"GPU {device.index}: worker replaced {result.restarts} time(s) at "
-                                         f"{plan.key.label}, batch {unit.shape.batch_size} "
-                                         f"x kv_len {unit.shape.kv_len}")
-            # The budget's guess of a unit excludes one-off costs (JIT, worker start).
-            self.unit_seconds.append(max(0.0, elapsed - prep - info.get("worker_start_s", 0.0)))
-            self.report.units_done += 1
-            self.remaining[unit.key_index] -= 1
-            last = self.remaining[unit.key_index] == 0
-        self.progress.unit_done(plan.key, device)
-        if last:
-            self._decide(unit.key_index)
-
-    def _decide(self, index: int) -> None:
-        plan = self.plans[index]
-        measurements = plan.reused + self.new[index]
-        try:
-            decision = decide(plan.key, measurements, weights=plan.weights, static_choice=plan.static_choice,
-                              fingerprint=self.fingerprint, decided_at=_now_iso(),
-                              extra_failures={b: f"ineligible: {why}" for b, why in plan.ineligible.items()})
-        except NoDecision as exc:
-            with self.lock:
-                self.report.undecided[plan.key] = str(exc)
-            return
-        self.store.save_decision(decision, node=self.options.node)
-        with self.lock:
-            self.report.decisions.append(decision)
-
-    def run(self) -> None:
-        for device in self.devices:
-            self.run_ids[device.uuid] = self.store.start_run(device=device, fingerprint=self.fingerprint,
-                                                             preset=self.preset, node=self.options.node)
-        # Keys with nothing left to measure (everything reused) are decided now.
-        for index, plan in enumerate(self.plans):
-            if self.remaining[index] == 0:
-                self._decide(index)
-        threads = [threading.Thread(target=self._gpu_loop, args=(d,), name=f"mla-tune-gpu{d.index}", daemon=True)
-                   for d in self.devices]
-        status = "interrupted"         # unless every unit completes
-        try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(timeout=0.5)
-            status = "interrupted" if (self.units or self.errors) else "done"
-        except BaseException:
-            self.aborted = True
-            raise
-        finally:
-            with self.lock:
-                self.stopped = True
-            for uuid, run_id in self.run_ids.items():
-                self.store.finish_run(run_id, status)
-        if self.errors:
-            raise self.errors[0]
-        for index, plan in enumerate(self.plans):
-            if self.remaining[index] > 0 and plan.key not in self.report.undecided:
-                self.report.undecided[plan.key] = (f"{self.remaining[index]} shape(s) not measured "
-                                                   f"(budget exhausted); run `mla-tune tune --resume`")
-        self._slow_gpus()
-
-    def _slow_gpus(self) -> None:
-        """Report a GPU whose times on the shapes every GPU measured are markedly above its siblings'."""
-        if len(self.devices) < 2:
-            return
-        by_point: dict[tuple, dict[str, float]] = defaultdict(dict)
-        for rows in self.new.values():
-            for m in rows:
-                if m.status == "ok" and m.median_ms:
-                    by_point[(m.key, m.backend, m.batch_size, m.kv_len)][m.gpu_uuid] = m.median_ms
-        logs: dict[str, list[float]] = defaultdict(list)
-        for times in by_point.values():
-            for uuid, ms in times.items():
-                others = [t for u, t in times.items() if u != uuid]
-                if others:
-                    logs[uuid].append(math.log(ms / statistics.median(others)))
-        for device in self.devices:
-            if logs.get(device.uuid):
-                ratio = math.exp(statistics.mean(logs[device.uuid]))
-                if ratio > SLOW_GPU_RATIO:
-                    self.report.notes.append(
-                        f"GPU {device.index} ({device.uuid}) is {ratio:.2f}x slower than its siblings on the "
-                        f"{len(logs[device.uuid])} points every GPU measured (check clocks, power, thermals)")
 
 
 def _stale_runs(store, devices: Sequence[DeviceInfo]) -> None:
@@ -391,9 +174,6 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
     expand_keys(spec)                          # SpecError before anything is touched
     check_budget(options.budget_s, max_seconds=max_seconds)
     report = TuneReport()
-    by_sku: dict[str, list[DeviceInfo]] = defaultdict(list)
-    for device in devices:
-        by_sku[device.sku].append(device)
     locks = [GpuLock(d.uuid or f"index{d.index}") for d in devices]
     held = []
     try:
@@ -401,38 +181,22 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
             lock.acquire()
             held.append(lock)
         _stale_runs(store, devices)
-        work = []
-        for sku, group in by_sku.items():
-            from mla_tune.backends.software import current_fingerprint
-
-            fp = options.fingerprint or current_fingerprint(driver_version=group[0].driver_version)
-            report.fingerprints[sku] = fp.digest
-            plans = build_plans(spec, store, group[0], fp, options, report)
-            work.append((group, plans, fp))
+        work = _plan_skus(spec, store, devices, options, report)
         all_plans = [p for _, plans, _ in work for p in plans]
         report.estimate_s = sum(estimate_s(plans, max_seconds=max_seconds, n_gpus=len(group),
                                            jit_prefixes=options.jit_prefixes if options.prewarm else ())
                                 for group, plans, _ in work)
         if on_plan is not None:
             on_plan(all_plans, report.estimate_s)
+        _prewarm_jit(all_plans, devices, options, report)
         deadline = started + options.budget_s if options.budget_s is not None else None
-        tasks = (jit_tasks(all_plans, prefixes=options.jit_prefixes,
-                           adapters=tuple((options.adapters or {}).items()))
-                 if options.prewarm and devices else [])
-        if tasks:
-            first = devices[0]
-            seconds, notes = prewarm(tasks, cuda_visible=first.uuid or str(first.index),
-                                     device=options.worker_device, bench=options.bench,
-                                     timeouts_s=dict(options.timeouts_s or {}))
-            report.seconds[f"JIT warm-up ({len(tasks)} builds in parallel)"] += seconds
-            report.notes.extend(notes)
         with TuneProgress(enabled=options.progress) as progress:
             for group, plans, fp in work:
                 if not plans:
                     continue
-                sku_tune = _SkuTune(store, group, plans, fingerprint=fp, options=options,
-                                    max_seconds=max_seconds, report=report, progress=progress,
-                                    deadline=deadline, preset=spec.preset_label)
+                sku_tune = SkuTune(store, group, plans, fingerprint=fp, options=options,
+                                   max_seconds=max_seconds, report=report, progress=progress,
+                                   deadline=deadline, preset=spec.preset_label)
                 report.units_planned += len(sku_tune.units)
                 progress.add_plans(plans, sku_tune.units)
                 sku_tune.run()
@@ -442,6 +206,36 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
             lock.release()
     report.elapsed_s = time.monotonic() - started
     return report
+
+
+def _plan_skus(spec: TuneSpec, store, devices: Sequence[DeviceInfo], options: TuneOptions,
+               report: TuneReport) -> list[tuple[list[DeviceInfo], list[KeyPlan], SoftwareFingerprint]]:
+    """(GPUs, plans, software fingerprint) per SKU: identical GPUs share one plan and one decision per key."""
+    from mla_tune.backends.software import current_fingerprint
+
+    by_sku: dict[str, list[DeviceInfo]] = defaultdict(list)
+    for device in devices:
+        by_sku[device.sku].append(device)
+    work = []
+    for sku, group in by_sku.items():
+        fp = options.fingerprint or current_fingerprint(driver_version=group[0].driver_version)
+        report.fingerprints[sku] = fp.digest
+        work.append((group, build_plans(spec, store, group[0], fp, options, report), fp))
+    return work
+
+
+def _prewarm_jit(plans: list[KeyPlan], devices: Sequence[DeviceInfo], options: TuneOptions,
+                 report: TuneReport) -> None:
+    """Compile the JIT backends the plans need, in parallel on the first GPU, before any timing."""
+    tasks = (jit_tasks(plans, prefixes=options.jit_prefixes, adapters=tuple((options.adapters or {}).items()))
+             if options.prewarm and devices else [])
+    if not tasks:
+        return
+    first = devices[0]
+    seconds, notes = prewarm(tasks, cuda_visible=first.uuid or str(first.index), device=options.worker_device,
+                             bench=options.bench, timeouts_s=dict(options.timeouts_s or {}))
+    report.seconds[f"JIT warm-up ({len(tasks)} builds in parallel)"] += seconds
+    report.notes.extend(notes)
 
 
 def _refresh_anomalies(store, report: TuneReport, sku: str, fp: SoftwareFingerprint, *, node: str) -> None:

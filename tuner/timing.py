@@ -157,9 +157,8 @@ class GraphStep:
 
     `keepalive` holds what the graph's kernels read and write: the captured step's results and the step itself, so
     the prepared backend it closes over (its workspaces, FlashInfer's plan buffers) lives as long as the graph. A
-    caller that drops its own reference to the backend after capture must not leave the graph replaying freed memory
-    (bench/hopper_dev.py did: its FlashInfer sparse graphs failed with cudaErrorInvalidAddressSpace in device calls
-    283-284, and read 21.2 us once this keepalive held, where they had read 3.1 us before, call 286).
+    caller that drops its own reference to the backend after capture must not leave the graph replaying freed memory:
+    FlashInfer's sparse graphs then fail with cudaErrorInvalidAddressSpace, or time a kernel reading garbage.
     """
 
     def __init__(self, graph, iterations_per_replay: int, keepalive):

@@ -263,75 +263,101 @@ class Worker:
                 for name in pending:
                     result.outcomes[name] = Outcome("failed", reason="the worker kept dying at this shape")
                 break
-            if self._proc is None or not self._proc.is_alive():
-                if self._proc is not None:
-                    self.stop()
-                if sent:
-                    result.restarts += 1
-                t0 = time.monotonic()
-                self._start()
-                _merge_info(result.info, {"worker_start_s": time.monotonic() - t0})
+            self._ensure_running(result, restart=sent)
             sent = True
-            self._conn.send(ShapeTask(task.problem, task.shape, tuple(pending), task.seed,
-                                      task.rel_ci_target, task.max_seconds, task.adapters))
-            in_flight: list[str] = []
-            phase = "inputs"
-            while True:
-                timeout = self.timeouts_s.get(phase, 300.0)
-                if phase == "timing":
-                    timeout += task.max_seconds * 3
-                event = self._next_event(timeout)
-                if event is None:
-                    hung = self._proc is not None and self._proc.is_alive()
-                    self._kill()
-                    if hung:
-                        status, reason = "timeout", f"no progress for {timeout:.0f} s during {phase}; worker killed"
-                    else:
-                        status, reason = "failed", f"{_death_reason(self._exitcode, self.log_path)} during {phase}"
-                    if not in_flight and not result.outcomes:
-                        result.skipped_reason = f"the shape could not be built: {reason}"
-                        return result
-                    if phase == "timing" and len(in_flight) > 1 and not _alone:
-                        suspects.extend(in_flight)
-                        break
-                    for name in in_flight:
-                        result.outcomes[name] = Outcome(status, reason=reason)
-                    break
-                if on_event is not None:
-                    on_event(event)
-                kind = event[0]
-                if kind == "begin":
-                    _, name, phase = event
-                    in_flight = [n for n in pending if n not in result.outcomes] if name is None else [name]
-                elif kind == "result":
-                    _, name, outcome = event
-                    result.outcomes[name] = outcome
-                    in_flight = [n for n in in_flight if n != name]
-                elif kind == "timing_failed":
-                    _, reason, names = event
-                    if _alone:
-                        for name in names:
-                            result.outcomes[name] = Outcome("failed", reason=reason)
-                    else:
-                        suspects.extend(n for n in names if n not in result.outcomes)
-                    in_flight = []
-                elif kind == "shape_skipped":
-                    result.skipped_reason = event[1]
-                    return result
-                elif kind == "shape_done":
-                    _merge_info(result.info, event[1])
-                    break
-                elif kind == "fatal":
-                    # The worker reported the backend's failure before exiting; wait for it to go.
-                    self._proc.join(timeout=10)
-                    self._kill()
-                    break
+            # Every field of the task travels (refine_tiles, adapters, ...); only the backends still to do change.
+            self._conn.send(replace(task, backends=tuple(pending)))
+            if self._collect(task, pending, result, suspects, on_event=on_event, alone=_alone):
+                return result
             pending = [n for n in pending if n not in result.outcomes and n not in suspects]
             if pending and self._proc is not None and self._proc.is_alive():
                 # shape_done without a result for some backend: should not happen; do not loop forever.
                 for name in pending:
                     result.outcomes[name] = Outcome("failed", reason="the worker finished the shape without a result")
                 pending = []
+        self._time_alone(task, suspects, result, on_event=on_event)
+        return result
+
+    def _ensure_running(self, result: ShapeResult, *, restart: bool) -> None:
+        """Start a worker when none is alive; a start after a task was sent counts as a restart."""
+        if self._proc is not None and self._proc.is_alive():
+            return
+        if self._proc is not None:
+            self.stop()
+        if restart:
+            result.restarts += 1
+        t0 = time.monotonic()
+        self._start()
+        _merge_info(result.info, {"worker_start_s": time.monotonic() - t0})
+
+    def _collect(self, task: ShapeTask, pending: list[str], result: ShapeResult, suspects: list[str], *,
+                 on_event: Callable[[tuple], None] | None, alone: bool) -> bool:
+        """Read one attempt's events into `result` until the shape is done or the worker is lost.
+
+        Returns:
+            True when the shape ends here (skipped, or it could not be built).
+        """
+        in_flight: list[str] = []
+        phase = "inputs"
+        while True:
+            timeout = self.timeouts_s.get(phase, 300.0)
+            if phase == "timing":
+                timeout += task.max_seconds * 3
+            event = self._next_event(timeout)
+            if event is None:
+                return self._lost_worker(phase, timeout, in_flight, result, suspects, alone=alone)
+            if on_event is not None:
+                on_event(event)
+            kind = event[0]
+            if kind == "begin":
+                _, name, phase = event
+                in_flight = [n for n in pending if n not in result.outcomes] if name is None else [name]
+            elif kind == "result":
+                _, name, outcome = event
+                result.outcomes[name] = outcome
+                in_flight = [n for n in in_flight if n != name]
+            elif kind == "timing_failed":
+                _, reason, names = event
+                if alone:
+                    for name in names:
+                        result.outcomes[name] = Outcome("failed", reason=reason)
+                else:
+                    suspects.extend(n for n in names if n not in result.outcomes)
+                in_flight = []
+            elif kind == "shape_skipped":
+                result.skipped_reason = event[1]
+                return True
+            elif kind == "shape_done":
+                _merge_info(result.info, event[1])
+                return False
+            elif kind == "fatal":
+                # The worker reported the backend's failure before exiting; wait for it to go.
+                self._proc.join(timeout=10)
+                self._kill()
+                return False
+
+    def _lost_worker(self, phase: str, timeout: float, in_flight: list[str], result: ShapeResult,
+                     suspects: list[str], *, alone: bool) -> bool:
+        """The worker died or went silent: blame what was in flight. True when the shape itself could not be built."""
+        hung = self._proc is not None and self._proc.is_alive()
+        self._kill()
+        if hung:
+            status, reason = "timeout", f"no progress for {timeout:.0f} s during {phase}; worker killed"
+        else:
+            status, reason = "failed", f"{_death_reason(self._exitcode, self.log_path)} during {phase}"
+        if not in_flight and not result.outcomes:
+            result.skipped_reason = f"the shape could not be built: {reason}"
+            return True
+        if phase == "timing" and len(in_flight) > 1 and not alone:
+            suspects.extend(in_flight)
+            return False
+        for name in in_flight:
+            result.outcomes[name] = Outcome(status, reason=reason)
+        return False
+
+    def _time_alone(self, task: ShapeTask, suspects: list[str], result: ShapeResult, *,
+                    on_event: Callable[[tuple], None] | None) -> None:
+        """Time each backend of an interleaved timing that broke on its own, so only the culprit fails."""
         for name in suspects:
             if self._proc is None:
                 result.restarts += 1
@@ -340,7 +366,6 @@ class Worker:
             _merge_info(result.info, alone.info)
             result.outcomes[name] = alone.outcomes.get(name) or Outcome(
                 "failed", reason=f"timed alone after the interleaved timing broke: {alone.skipped_reason}")
-        return result
 
     _exitcode: int | None = None
 

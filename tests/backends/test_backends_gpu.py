@@ -124,8 +124,7 @@ def test_reference_runs_on_gpu_like_on_cpu():
 
 @pytest.mark.parametrize("name", ["TRITON_MLA_SPARSE", "FLASHINFER_FA3_MLA_SPARSE"])
 def test_a_captured_graph_keeps_the_backend_it_replays_alive(name):
-    # bench/hopper_dev.py kept only the graph of each backend it timed; its FlashInfer sparse graphs then replayed
-    # freed buffers (cudaErrorInvalidAddressSpace in device calls 283-284).
+    # A caller that keeps only the graph must not leave it replaying freed buffers (cudaErrorInvalidAddressSpace).
     import gc
     import weakref
 
@@ -156,7 +155,7 @@ def test_a_captured_graph_keeps_the_backend_it_replays_alive(name):
 
 
 def _graph_of(prepared, sets):
-    """A CUDA graph of `prepared` over `sets`, as bench/hopper_dev.py made them: the caller keeps only the graph."""
+    """A CUDA graph of `prepared` over `sets`, as a benchmark makes them: the caller keeps only the graph."""
     from mla_tune.tuner.timing import capture_graph
 
     return capture_graph(lambda: [prepared.run(s) for s in sets], iterations_per_replay=len(sets), min_replay_ms=0)

@@ -1,6 +1,6 @@
 """Blackwell FlashInfer paths: argument construction on the CPU, and eligibility.
 
-No SM100/SM120 GPU is lent here, so these paths are untested on hardware; the
+No SM100/SM120 GPU has run these paths, so they are untested on hardware; the
 arguments are checked against FlashInfer's own shape validation (which runs
 without a GPU) and their meaning against the float32 reference.
 """

@@ -52,15 +52,7 @@ def test_usage_error_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert not db.exists()
 
 
-def test_main_job_without_gpu(tmp_path):
-    from mla_tune.tuner.probe import ProbeError, probe_devices
-
-    try:
-        probe_devices()
-    except ProbeError:
-        pass
-    else:
-        pytest.skip("this machine has a GPU: the main job would tune it")
+def test_main_job_without_gpu(tmp_path, no_gpu):
     result = run(env={"XDG_DATA_HOME": str(tmp_path / "data")})
     assert result.returncode == 0, result.stderr
     assert "No NVIDIA GPU here" in result.stdout and "FLASH_ATTN_MLA" in result.stdout

@@ -12,19 +12,10 @@ from mla_tune.backends.problem import Problem
 from mla_tune.backends.software import current_fingerprint
 from mla_tune.store.records import Decision, DecisionKey
 from mla_tune.store.repository import Store
-from mla_tune.tuner.probe import ProbeError, probe_devices
 
 H100 = DeviceInfo(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), memory_total_mib=81559,
                   pci_device_id="0x233010DE", driver_version="580.65.06")
 ON_H100 = ["--device-name", "NVIDIA H100 80GB HBM3", "--cc", "9.0"]
-
-
-def has_gpu() -> bool:
-    try:
-        probe_devices()
-    except ProbeError:
-        return False
-    return True
 
 
 def save(url, *, heads, kv, winner, scores):
@@ -120,9 +111,7 @@ def test_missing_default_store_is_not_created(cli, isolated_store):
     assert not isolated_store.exists()
 
 
-def test_lookup_without_gpu_or_device_is_one_line_exit_1(cli):
-    if has_gpu():
-        pytest.skip("this machine has an NVIDIA GPU")
+def test_lookup_without_gpu_or_device_is_one_line_exit_1(cli, no_gpu):
     result = cli("lookup", "--heads", "64", "--kv-cache-dtype", "fp8")
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "--device-name" in result.stderr
@@ -143,9 +132,7 @@ def test_backends_lists_every_backend_with_eligible_or_reasons(cli):
     assert text.exit_code == 0 and "eligible" in text.stdout and "num_heads 96 is in 65..127" in text.stdout
 
 
-def test_backends_without_gpu_skips_device_checks_with_a_warning(cli):
-    if has_gpu():
-        pytest.skip("this machine has an NVIDIA GPU")
+def test_backends_without_gpu_skips_device_checks_with_a_warning(cli, no_gpu):
     result = cli("backends", "--sparse", "--json")
     assert result.exit_code == 0
     assert "device checks skipped" in result.stderr
@@ -155,9 +142,7 @@ def test_backends_without_gpu_skips_device_checks_with_a_warning(cli):
     assert not [r for r in rows["FLASHINFER_MLA_SPARSE"]["reasons"] if "compute capability" in r]
 
 
-def test_probe_without_a_driver_is_one_line_exit_1(cli):
-    if has_gpu():
-        pytest.skip("this machine has an NVIDIA GPU")
+def test_probe_without_a_driver_is_one_line_exit_1(cli, no_gpu):
     result = cli("probe")
     assert result.exit_code == 1
     assert result.stderr.startswith("mla-tune: error: no NVIDIA GPU found") and result.stderr.count("\n") == 1
@@ -185,9 +170,7 @@ def test_version_and_help(cli):
         assert result.exit_code == 0 and "Example:" in result.stdout, command
 
 
-def test_main_job_without_gpu_says_so_and_shows_static_choices(cli, isolated_store):
-    if has_gpu():
-        pytest.skip("this machine has an NVIDIA GPU")
+def test_main_job_without_gpu_says_so_and_shows_static_choices(cli, isolated_store, no_gpu):
     result = cli()
     assert result.exit_code == 0
     assert result.stdout.startswith("No NVIDIA GPU here")

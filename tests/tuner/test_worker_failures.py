@@ -39,3 +39,13 @@ def test_crashes_hangs_and_lies_are_recorded_and_the_good_backends_are_still_tim
     assert out["FAKE_LATE_ABORT"].status == "failed" and "SIGABRT" in out["FAKE_LATE_ABORT"].reason
     assert "during timing" in out["FAKE_LATE_ABORT"].reason
     assert result.restarts == 4                               # after abort, segfault, hang, interleaved timing
+
+
+def test_the_worker_measures_the_task_as_sent_without_refining_when_told_not_to(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLA_TUNE_FAKE_MS", json.dumps({"FAKE_TILED": 2.0, "FAKE_TILED#0": 2.0, "FAKE_TILED#3": 1.0}))
+    task = ShapeTask(Problem(num_heads=4, kv_cache_dtype="bf16"), Shape(2, 100), ("FAKE_TILED",),
+                     adapters=tuple(ADAPTERS.items()), refine_tiles=False)
+    with Worker(device="cpu", bench=BENCH, log_dir=tmp_path) as worker:
+        outcome = worker.run_shape(task).outcomes["FAKE_TILED"]
+    # Refined, the 1.0 ms candidate would win and its tile would be recorded.
+    assert (outcome.status, outcome.median_ms, outcome.params) == ("ok", 2.0, None)
