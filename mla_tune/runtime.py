@@ -394,10 +394,10 @@ class TileChoice:
 
 def kernel_tile(num_heads, kv_cache_dtype, *, batch_size, kv_len, device=None, sparse=False, db=None,
                 page_size=64, query_dtype="bf16", topk=None, geometry=None, q_len=1) -> TileChoice:
-    """The tuned launch tile of TRITON_MLA (TRITON_MLA_SPARSE when sparse) for a batch shape on a GPU.
+    """The tuned launch tile of MLA_TUNE_TRITON (MLA_TUNE_TRITON_SPARSE when sparse) for a batch shape on a GPU.
 
     `mla-tune` refines our Triton kernel per device: at each shape it times the default tile and a few
-    alternatives (`launch.candidate_tiles`) and stores the fastest correct one with the measurement. This
+    alternatives (`dispatch.candidate_tiles`) and stores the fastest correct one with the measurement. This
     returns the one stored at the shape nearest to (`batch_size`, `kv_len`) (distance in log batch + log
     length), measured with compatible software on a GPU of this SKU. Arguments as in `lookup`; it never
     raises because of the store, never imports torch, and is memoised per process like `lookup`.
@@ -423,7 +423,7 @@ def _compute_tile(num_heads, kv_cache_dtype, *, batch_size, kv_len, device, spar
     problem, info, key = _resolve(num_heads, kv_cache_dtype, device=device, sparse=sparse, db=db,
                                   page_size=page_size, query_dtype=query_dtype, topk=topk, geometry=geometry,
                                   q_len=q_len)
-    backend = "TRITON_MLA_SPARSE" if problem.sparse else "TRITON_MLA"
+    backend = "MLA_TUNE_TRITON_SPARSE" if problem.sparse else "MLA_TUNE_TRITON"
     try:
         from mla_tune.store.readonly import find_tiles
 

@@ -312,7 +312,7 @@ class _Step:
     name: str
     backend: str
     adapter: object
-    tile: tuple | None = None      # a `Tile` (NamedTuple) for a candidate
+    tile: object | None = None     # a `Tile` for a candidate
     label: str = ""                # its launch parameters, `LaunchParams.label()`
 
 
@@ -359,7 +359,7 @@ def _refined_params(steps: list[_Step], best: _Step, timings: dict, failed: dict
     tile's time (the first candidate) and why any candidate was left out."""
     mine = [step for step in steps if step.backend == best.backend]
     default = timings.get(mine[0].name)
-    return {"tile": best.tile._asdict(), "label": best.label,
+    return {"tile": best.tile.as_dict(), "label": best.label,
             "default_label": mine[0].label,
             "default_median_ms": None if default is None else float(default.median_ms),
             "candidates": len(mine),
