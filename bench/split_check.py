@@ -96,13 +96,17 @@ def _old_constexprs(old_launch, params, **kw) -> dict:
     return form
 
 
-def check_dispatch(mods: dict) -> list[str]:
-    """Mismatches between the packages' default launches, candidates and Hopper constexprs over a grid."""
+DISPATCH_GRID = ((1, 3, 16, 20, 32, 33, 64, 100, 128), (1, 2, 4), (1, 2, 4, 8, 16, 33, 64, 128),
+                 (256, 1024, 2048, 4096, 32768), (False, True), (False, True), (None, 8, 9, 12), (132,))
+QUICK_DISPATCH_GRID = ((16, 128), (1,), (1, 4, 64), (1024, 4096), (False, True), (False, True), (None, 9), (132,))
+
+
+def check_dispatch(mods: dict, grid_axes: tuple = DISPATCH_GRID) -> list[str]:
+    """Mismatches between the packages' default launches, candidates and Hopper constexprs over `grid_axes`
+    (heads, q_len, batch, max_items, sparse, kv_fp8, cc_major, SMs)."""
     old_launch, dispatch, splits = mods["old_launch"], mods["new_dispatch"], mods["new_splits"]
     bad, n = [], 0
-    for heads, q_len, batch, items, sparse, fp8, cc, sms in itertools.product(
-            (1, 3, 16, 20, 32, 33, 64, 100, 128), (1, 2, 4), (1, 2, 4, 8, 16, 33, 64, 128),
-            (256, 1024, 2048, 4096, 32768), (False, True), (False, True), (None, 8, 9, 12), (132,)):
+    for heads, q_len, batch, items, sparse, fp8, cc, sms in itertools.product(*grid_axes):
         facts = dict(num_heads=heads, q_len=q_len, batch=batch, max_items=items, sparse=sparse, kv_fp8=fp8,
                      cc_major=cc)
         lengths = [max(1, items - 37 * i) for i in range(batch)] if batch % 2 else None
@@ -162,8 +166,8 @@ def normalized_ptx(ptx: str) -> str:
     keep = []
     for line in ptx.splitlines():
         stripped = line.strip()
-        if (stripped.startswith((".loc", ".file", "//")) or re.fullmatch(r"\$L__(tmp|func_begin|func_end)\d+:", stripped)
-                or not stripped):
+        debug_label = re.fullmatch(r"\$L__(tmp|func_begin|func_end)\d+:", stripped)
+        if not stripped or debug_label or stripped.startswith((".loc", ".file", "//")):
             continue
         keep.append(line)
     return "\n".join(keep)

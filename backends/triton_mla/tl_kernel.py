@@ -213,9 +213,9 @@ def _program_rows(pid_m, b, seq_len, num_heads, topk, topk_ptr, stride_tkb, stri
 def _attend_split_d(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, p_scratch_ptr, pid_m, b, split, qi, h, seq_len,
                     start, end, visible_len, row_ok, o_ok, rows, offs_r, stride_kvp, stride_kvt, stride_ob, stride_os,
                     stride_ot, stride_oh, q_scale, qk_scale, kv_scale, m_i, l_i, CHUNK, D_LATENT: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, KV_CAST: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    RELOAD_V: tl.constexpr, HOIST_PAGES: tl.constexpr, FP16_MATH: tl.constexpr,
-                    SPLIT_SCORES: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr,
+                    KV_CAST: tl.constexpr, DOT_UPCAST: tl.constexpr, RELOAD_V: tl.constexpr, HOIST_PAGES: tl.constexpr,
+                    FP16_MATH: tl.constexpr, SPLIT_SCORES: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
     """The program's range with the latent dimension in four column blocks of 128 (four `[BLOCK_H, 128]`
     accumulators), outputs stored: each FP8 block is cast on its own, so no whole `[BLOCK_N, 512]` tile sits in
     registers next to the accumulators. Returns (running max, running sum)."""
