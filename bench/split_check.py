@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import itertools
 import re
 import sys
@@ -35,6 +36,8 @@ HEADS = (16, 32, 64, 128)
 KV_DTYPES = ("bf16", "fp8_e4m3")
 DENSE_SHAPES = ((1, 4096), (4, 16384), (16, 4096), (64, 4096), (128, 16384), (8, 1024))  # (batch, kv_len)
 SPARSE_SHAPES = ((1, 8192), (4, 8192), (16, 8192), (64, 8192), (128, 32768))  # (batch, kv_len), top-k 2048
+CPU_SHAPES = [("bf16", 16, 2, 200, None), ("fp8_e4m3", 5, 3, 150, None), ("bf16", 3, 2, 300, 64),
+              ("fp8_e4m3", 20, 2, 100, 32)]
 QUICK = [("bf16", 16, 4, 4096, None), ("fp8_e4m3", 64, 16, 4096, None), ("bf16", 128, 64, 4096, None),
          ("fp8_e4m3", 128, 8, 1024, None), ("bf16", 16, 16, 8192, 2048), ("fp8_e4m3", 128, 64, 8192, 2048)]
 
@@ -45,10 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ptx", action="store_true", help="compare offline sm_90a PTX (CPU)")
     p.add_argument("--dispatch", action="store_true", help="compare launch choices over a grid (CPU)")
     p.add_argument("--quick", action="store_true", help=f"GPU check on {len(QUICK)} shapes only")
+    part = p.add_mutually_exclusive_group()
+    part.add_argument("--dense-only", action="store_true", help="GPU check on the dense shapes only")
+    part.add_argument("--sparse-only", action="store_true", help="GPU check on the sparse shapes only")
     p.add_argument("--ragged", action="store_true", help="ragged request lengths (GPU check)")
     p.add_argument("--max-seconds", type=float, default=0.4, help="timing cap per shape, both packages")
     p.add_argument("--no-timing", action="store_true", help="GPU check without timing")
+    p.add_argument("--cpu", action="store_true",
+                   help="the output check under the Triton interpreter (TRITON_INTERPRET=1) on small shapes, untimed")
     args = p.parse_args(argv)
+    if args.cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--cpu needs TRITON_INTERPRET=1 in the environment (set before Triton is imported)")
     if not (args.old / "__init__.py").is_file():
         p.error(f"--old {args.old} has no __init__.py; extract the old package first (see the example)")
     return args
@@ -76,13 +86,12 @@ def modules(old_pkg) -> dict:
             "new_dispatch": new("dispatch"), "new_splits": new("splits"), "new_adapter": new("adapter")}
 
 
-def grid(quick: bool) -> list[tuple]:
+def grid(quick: bool, *, dense: bool = True, sparse: bool = True) -> list[tuple]:
     """(kv dtype, heads, batch, kv_len, topk or None), in run order."""
-    if quick:
-        return QUICK
-    dense = [(kv, h, b, n, None) for kv, h, (b, n) in itertools.product(KV_DTYPES, HEADS, DENSE_SHAPES)]
-    sparse = [(kv, h, b, n, 2048) for kv, h, (b, n) in itertools.product(KV_DTYPES, HEADS, SPARSE_SHAPES)]
-    return dense + sparse
+    shapes = QUICK if quick else (
+        [(kv, h, b, n, None) for kv, h, (b, n) in itertools.product(KV_DTYPES, HEADS, DENSE_SHAPES)]
+        + [(kv, h, b, n, 2048) for kv, h, (b, n) in itertools.product(KV_DTYPES, HEADS, SPARSE_SHAPES)])
+    return [s for s in shapes if (dense if s[4] is None else sparse)]
 
 
 # ---------------------------------------------------------------------------------------------- dispatch (CPU)
@@ -247,20 +256,20 @@ def run_shape(shape: tuple, mods: dict, args) -> dict:
     from mla_tune.tuner import timing
 
     kv, heads, batch, kv_len, topk = shape
-    problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=64, topk=topk)
-    inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch, ragged=args.ragged)
+    device = "cpu" if args.cpu else "cuda"
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=16 if args.cpu else 64, topk=topk)
+    inputs = make_inputs(problem, Shape(batch, kv_len), device=device, seed=heads * 1000 + batch, ragged=args.ragged)
     sparse = topk is not None
     runners = {}
     for name, module in (("old", mods["old_adapter"]), ("new", mods["new_adapter"])):
         adapter = module.TritonMLASparse() if sparse else module.TritonMLA()
         runners[name] = adapter.prepare(problem, inputs)
     outs = {name: [t.clone() for t in runner.run(inputs)] for name, runner in runners.items()}
-    torch.cuda.synchronize()
     row = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-",
                old_label=runners["old"].params.label(), new_label=runners["new"].params.label(),
                out_equal=torch.equal(outs["old"][0], outs["new"][0]),
                lse_equal=torch.equal(outs["old"][1], outs["new"][1]))
-    if not args.no_timing:
+    if not (args.no_timing or args.cpu):
         free, _ = torch.cuda.mem_get_info()
         sets = timing.cold_l2_sets(inputs, free_bytes=int(free * 0.4))
         steps = {name: timing.capture_graph(lambda r=runner: [r.run(s) for s in sets], iterations_per_replay=len(sets))
@@ -270,7 +279,8 @@ def run_shape(shape: tuple, mods: dict, args) -> dict:
                    old_ci=timings["old"].rel_ci_half_width, new_ci=timings["new"].rel_ci_half_width)
         del sets, steps
     del runners, outs
-    torch.cuda.empty_cache()
+    if not args.cpu:
+        torch.cuda.empty_cache()
     return row
 
 
@@ -288,20 +298,27 @@ def check_gpu(mods: dict, args, argv) -> list[str]:
     """The GPU check over the grid; prints the environment, the command and one line per shape."""
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("the GPU check needs a CUDA GPU (torch.cuda.is_available() is False); --ptx and --dispatch run on CPU")
+    if not (args.cpu or torch.cuda.is_available()):
+        sys.exit("the GPU check needs a CUDA GPU (torch.cuda.is_available() is False); --ptx, --dispatch and --cpu "
+                 "run on CPU")
     from kernels import environment  # bench/kernels.py: NVML name, driver and versions
 
-    env = environment()
+    if args.cpu:
+        import triton
+
+        env = {"device": "CPU (Triton interpreter)", "torch": torch.__version__, "triton": triton.__version__}
+    else:
+        env = environment()
     print("# split check: old package", args.old, "against", NEW_NAME)
     print("# command: python3 bench/split_check.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print("# " + ", ".join(f"{k} {v}" for k, v in env.items()))
-    print(f"# page_size 64, q_len 1, {'ragged' if args.ragged else 'uniform'} lengths, CUDA graphs over L2-rotated "
+    print(f"# page_size {16 if args.cpu else 64}, q_len 1, {'ragged' if args.ragged else 'uniform'} lengths, CUDA graphs over L2-rotated "
           f"copies, cap {args.max_seconds}s/shape; ratio = new / old median, ci = the larger half-width in %")
     print(f"{'kv':<9}{'heads':>5}{'batch':>6}{'kv_len':>7}{'topk':>5}  {'launch':<22}{'old_us':>9}{'new_us':>9}"
           f"{'ratio':>8}{'ci%':>7}  outputs", flush=True)
     bad, ratios = [], []
-    for shape in grid(args.quick):
+    shapes = CPU_SHAPES if args.cpu else grid(args.quick, dense=not args.sparse_only, sparse=not args.dense_only)
+    for shape in shapes:
         r = run_shape(shape, mods, args)
         print(format_row(r), flush=True)
         if not (r["out_equal"] and r["lse_equal"] and r["old_label"] == r["new_label"]):

@@ -3,8 +3,7 @@ and the epilogue.
 
 A partition receives three values instead of ~40 arguments: `Program` (what the program computes and where it
 writes), `KvSource` (where its KV tiles come from) and `Ring` (the shared-memory slots and their barriers).
-`gl.warp_specialize` flattens them into its captures in field order, so each field order is the order the
-partitions always took their arguments in.
+`gl.warp_specialize` flattens them into its worker captures in field order.
 """
 
 # No `from __future__ import annotations`: the aggregates check their fields against real annotation types.

@@ -165,9 +165,9 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
 
 
 @gluon.jit
-def _qk1_second(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program):
+def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
     """Warpgroup 1 (a worker): rescales where a reference moved and multiplies p by value columns 256-511; writes
-    those output columns with warpgroup 0's row sums. (It takes the query too, so both warpgroups' captures match.)"""
+    those output columns with warpgroup 0's row sums."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -205,6 +205,6 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
     gl.warp_specialize([
         (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
-        (_qk1_second, (q_lat, q_rope, ring, exch, prog)),
+        (_qk1_second, (ring, exch, prog)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

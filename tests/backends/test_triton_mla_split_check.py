@@ -44,3 +44,18 @@ def test_the_split_package_dispatches_as_the_archived_one(tmp_path):
     check = load("split_check")
     old = check.load_old(_archived_package(tmp_path), name="mla_tune_old_triton_mla_test")
     assert check.check_dispatch(check.modules(old), check.QUICK_DISPATCH_GRID) == []
+
+
+def test_a_mismatch_fails_loudly(tmp_path, monkeypatch, capsys):
+    check = load("split_check")
+    row = dict(kv="bf16", heads=16, batch=4, kv_len=4096, topk="-", old_label="h64n64w8s2Wx1",
+               new_label="h64n64w8s2Wx1", out_equal=True, lse_equal=False, old_us=10.0, new_us=10.1, old_ci=0.01,
+               new_ci=0.01)
+    assert "MISMATCH" in check.format_row(row) and "lse False" in check.format_row(row)
+    assert "identical" in check.format_row({**row, "lse_equal": True})
+    (tmp_path / "__init__.py").write_text("")
+    monkeypatch.setattr(check, "load_old", lambda directory: None)
+    monkeypatch.setattr(check, "modules", lambda old: {})
+    monkeypatch.setattr(check, "check_dispatch", lambda mods: ["dispatch {...}: h16 / h64"])
+    assert check.main(["--old", str(tmp_path), "--dispatch"]) == 1
+    assert "FAILED: 1 mismatches" in capsys.readouterr().err
