@@ -15,7 +15,7 @@ Correctness is checked on the first --check-requests requests of each batch
 Examples:
     python3 bench/kernels.py --quick
     python3 bench/kernels.py --reference-shapes
-    python3 bench/kernels.py --kv-dtype bf16 --heads 16,128 --backends FLASHINFER_FA3_MLA,TRITON_MLA
+    python3 bench/kernels.py --kv-dtype bf16 --heads 16,128 --backends FLASHINFER_FA3_MLA,MLA_TUNE_TRITON
     python3 bench/kernels.py --sparse-only --kv-len 8192,32768
 """
 
@@ -140,32 +140,24 @@ def subset(inputs, n: int):
                         inputs.sm_scale, inputs.kv_scale, idx)
 
 
-def run_shape(shape, names, args, env) -> list[dict]:
-    """Prepare, check and time every eligible backend on one shape; one row per backend."""
+def _prepare_and_check(problem, inputs, names, args, env, base: dict) -> tuple[list[dict], dict]:
+    """Prepare every eligible backend on `inputs` and check it against the float32 reference on the first
+    --check-requests requests: (rows of those that failed or were wrong, {name: (runner, row)} of the rest)."""
     import torch
 
-    from mla_tune.backends.inputs import kv_bytes_read, make_inputs
     from mla_tune.backends.interface import BackendUnavailable
-    from mla_tune.backends.problem import Problem, Shape
     from mla_tune.backends.reference import mla_reference
     from mla_tune.backends.registry import backend_reasons, load_adapter
-    from mla_tune.tuner import timing
     from mla_tune.tuner.gate import check_output
 
-    kv, heads, batch, kv_len, topk = shape
-    problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=args.page_size, topk=topk)
-    inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch,
-                         ragged=args.ragged)
-    n_check = min(batch, args.check_requests)
+    n_check = min(inputs.q.shape[0], args.check_requests)
     sub = subset(inputs, n_check)
     ref_out, ref_lse = mla_reference(sub.q, sub.kv_cache, sub.block_table, sub.seq_lens,
                                      sm_scale=sub.sm_scale, kv_scale=sub.kv_scale,
                                      topk_indices=sub.topk_indices)
-    base = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-", checked=f"{n_check}/{batch}")
     rows, prepared = [], {}
     for name in names:
-        reasons = backend_reasons(name, problem, env["spec"])
-        if reasons:
+        if backend_reasons(name, problem, env["spec"]):
             continue
         try:
             runner = load_adapter(name)().prepare(problem, inputs)
@@ -177,30 +169,59 @@ def run_shape(shape, names, args, env) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - a failure is data
             rows.append({**base, "backend": name, "status": f"failed: {type(exc).__name__}: {exc}"[:160]})
             continue
-        verdict = check_output(out[:n_check], lse[:n_check], ref_out, ref_lse, kv_cache_dtype=kv)
+        verdict = check_output(out[:n_check], lse[:n_check], ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
         row = {**base, "backend": name, "rel_err": verdict.rel_error}
         if not verdict.ok:
             rows.append({**row, "status": f"incorrect: {verdict.reason}"})
             continue
         prepared[name] = (runner, row)
-    if not prepared:
-        return rows
+    return rows, prepared
+
+
+def _time_prepared(prepared: dict, inputs, args, env) -> list[dict]:
+    """Time every prepared backend together (tuner/timing.py) and add the roofline fraction; one row each."""
+    import torch
+
+    from mla_tune.backends.inputs import kv_bytes_read
+    from mla_tune.tuner import timing
+
     free, _ = torch.cuda.mem_get_info()
     sets = timing.cold_l2_sets(inputs, free_bytes=int(free * 0.5))
     steps = {name: timing.capture_graph(lambda r=runner, sets=sets: [r.run(s) for s in sets],
                                         iterations_per_replay=len(sets))
              for name, (runner, _) in prepared.items()}
     timings = timing.time_interleaved(steps, rel_ci_target=args.rel_ci, max_seconds=args.max_seconds)
+    heads = inputs.q.shape[2]
     kv_bytes = kv_bytes_read(inputs)
     flops = 2 * heads * (kv_bytes / inputs.kv_cache.shape[-1] / inputs.kv_cache.element_size()) * (576 + 512)
     roof_ms = max(kv_bytes / (env["copy_gbs"] * 1e9), flops / (env["matmul_tflops"] * 1e12)) * 1e3
     best = min(t.median_ms for t in timings.values())
+    rows = []
     for name, (_, row) in prepared.items():
         t = timings[name]
         rows.append({**row, "status": "ok", "median_us": t.median_ms * 1e3,
                      "ci_us": (t.ci_low_ms * 1e3, t.ci_high_ms * 1e3), "samples": t.samples,
                      "frac": roof_ms / t.median_ms, "vs_best": t.median_ms / best})
-    del sets, steps, prepared
+    return rows
+
+
+def run_shape(shape, names, args, env) -> list[dict]:
+    """Prepare, check and time every eligible backend on one shape; one row per backend."""
+    import torch
+
+    from mla_tune.backends.inputs import make_inputs
+    from mla_tune.backends.problem import Problem, Shape
+
+    kv, heads, batch, kv_len, topk = shape
+    problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=args.page_size, topk=topk)
+    inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch,
+                         ragged=args.ragged)
+    n_check = min(batch, args.check_requests)
+    base = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-", checked=f"{n_check}/{batch}")
+    rows, prepared = _prepare_and_check(problem, inputs, names, args, env, base)
+    if prepared:
+        rows += _time_prepared(prepared, inputs, args, env)
+    del prepared
     torch.cuda.empty_cache()
     return rows
 

@@ -40,7 +40,7 @@ def test_answers_are_memoised_per_process(tmp_path):
     assert kernel_tile(16, "fp8", batch_size=96, kv_len=8192, device=H100_ARG, db=url) is first
 
 
-def _tuned(url: str, *, fingerprint=None, shapes=((1, 4096, TL), (128, 16384, NARROW)), backend="TRITON_MLA",
+def _tuned(url: str, *, fingerprint=None, shapes=((1, 4096, TL), (128, 16384, NARROW)), backend="MLA_TUNE_TRITON",
            heads=16) -> None:
     fingerprint = fingerprint or current_fingerprint(driver_version=H100.driver_version)
     key = DecisionKey.of(H100.sku, H100.compute_capability, Problem(num_heads=heads, kv_cache_dtype="fp8"))
@@ -126,7 +126,7 @@ def test_a_stored_launch_without_a_tile_is_ignored_not_fatal(tmp_path):
         run = store.start_run(device=H100, fingerprint=current_fingerprint(driver_version=H100.driver_version),
                               preset="test", node="n1")
         key = DecisionKey.of(H100.sku, H100.compute_capability, Problem(num_heads=16, kv_cache_dtype="fp8"))
-        store.add_measurement(run, Measurement(key=key, backend="TRITON_MLA", batch_size=8, kv_len=4096,
+        store.add_measurement(run, Measurement(key=key, backend="MLA_TUNE_TRITON", batch_size=8, kv_len=4096,
                                                status="ok", median_ms=0.4, params={"label": "x"}))
     got = kernel_tile(16, "fp8", batch_size=4, kv_len=4096, device=H100_ARG, db=url)
     assert (got.source, got.tile) == ("default", None) and "no tuned" in got.why

@@ -20,7 +20,7 @@ import importlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 
 from mla_tune.backends.problem import Problem, Shape, kv_bytes_per_element
 from mla_tune.tuner.gate import check_output
@@ -340,7 +340,7 @@ class _Step:
     name: str
     backend: str
     adapter: object
-    tile: tuple | None = None      # a `Tile` (NamedTuple) for a candidate
+    tile: object | None = None     # a candidate's tile: a dataclass or a NamedTuple
     label: str = ""                # its launch parameters, `LaunchParams.label()`
 
 
@@ -387,7 +387,7 @@ def _refined_params(steps: list[_Step], best: _Step, timings: dict, failed: dict
     tile's time (the first candidate) and why any candidate was left out."""
     mine = [step for step in steps if step.backend == best.backend]
     default = timings.get(mine[0].name)
-    return {"tile": best.tile._asdict(), "label": best.label,
+    return {"tile": asdict(best.tile) if is_dataclass(best.tile) else best.tile._asdict(), "label": best.label,
             "default_label": mine[0].label,
             "default_median_ms": None if default is None else float(default.median_ms),
             "candidates": len(mine),

@@ -1,4 +1,5 @@
-"""TRITON_MLA and TRITON_MLA_SPARSE behind the backend interface (`backends/interface.py`)."""
+"""MLA_TUNE_TRITON and MLA_TUNE_TRITON_SPARSE, mla-tune's own kernels, behind the backend interface
+(`backends/interface.py`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import torch
 
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
-from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, PARAM_SPACE, LaunchParams, Tile, Workspace, candidate_tiles, cc_major, launch, params_for, sm_count)
+from mla_tune.backends.triton_mla.config import D_LATENT, PARAM_SPACE, LaunchParams, Tile, cc_major, sm_count
+from mla_tune.backends.triton_mla.dispatch import candidate_tiles
+from mla_tune.backends.triton_mla.launcher import launch
+from mla_tune.backends.triton_mla.splits import params_for
+from mla_tune.backends.triton_mla.workspace import Workspace
 
 
 class PreparedTritonMLA:
@@ -35,12 +39,12 @@ class TritonMLA:
     """mla-tune's Triton absorbed-MLA decode (dense paged KV; FP8 dequantised on load).
 
     Args:
-        params: launch parameters; None derives them from `tile` (or the default tile of `default_tile`),
+        params: launch parameters; None derives them from `tile` (or `dispatch.default_tile`),
             with the splits chosen for the inputs' lengths and the GPU's multiprocessor count.
         tile: a `Tile` (e.g. one the tuner stored for this device), ignored when `params` is given.
     """
 
-    name: ClassVar[str] = "TRITON_MLA"
+    name: ClassVar[str] = "MLA_TUNE_TRITON"
     param_space: ClassVar[dict] = PARAM_SPACE
     sparse: ClassVar[bool] = False
 
@@ -89,5 +93,5 @@ class TritonMLA:
 class TritonMLASparse(TritonMLA):
     """The same kernel gathering each query token's top-k positions (-1 slots skipped)."""
 
-    name: ClassVar[str] = "TRITON_MLA_SPARSE"
+    name: ClassVar[str] = "MLA_TUNE_TRITON_SPARSE"
     sparse: ClassVar[bool] = True

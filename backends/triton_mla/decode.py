@@ -6,8 +6,11 @@ from collections.abc import Mapping
 
 import torch
 
-from mla_tune.backends.triton_mla.launch import (
-    D_LATENT, D_ROPE, LaunchParams, Tile, Workspace, cc_major, launch, params_for, sm_count, tile_from_dict)
+from mla_tune.backends.triton_mla.config import (
+    D_LATENT, D_ROPE, LaunchParams, Tile, cc_major, sm_count, tile_from_dict)
+from mla_tune.backends.triton_mla.launcher import launch
+from mla_tune.backends.triton_mla.splits import params_for
+from mla_tune.backends.triton_mla.workspace import Workspace
 
 
 def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_indices) -> None:
@@ -68,7 +71,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         kv_lora_rank: latent width; only 512 is supported.
         kv_scale: None, a float, or a 0-d fp32 tensor (real value = stored value x kv_scale).
         topk_indices: int32 `[batch, q_len, topk]` token positions, -1 for unused (sparse).
-        params: launch parameters; None derives them from `tile` (or `default_tile`), the split
+        params: launch parameters; None derives them from `tile` (or `dispatch.default_tile`), the split
             count from the block-table capacity (top-k for sparse), so no host sync.
         tile: a `Tile` or its fields as a dict, e.g. the tuner's choice for this device from
             `mla_tune.kernel_tile(...)`; ignored when `params` is given.

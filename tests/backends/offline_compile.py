@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla_tune.backends.triton_mla.kernel import _mla_split_kernel
+from mla_tune.backends.triton_mla.tl_kernel import _mla_split_kernel
 
 _POINTERS = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "topk_ptr": "*i32",
              "kv_scale_ptr": "*fp32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
@@ -58,24 +58,25 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 
 
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
-                   ksplit: bool = False, **overrides) -> tuple[str, int, str]:
+                   qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`ksplit`: the k-split wide form), with the constexprs `launch.hopper_form` gives a one-split launch."""
+    (`qk1`: the qk1 form), with the constexprs `dispatch.hopper_constexprs` gives a one-split launch, then
+    `overrides`."""
     import subprocess
     import tempfile
 
     import triton.backends.nvidia
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
+    from mla_tune.backends.triton_mla.dispatch import HOPPER_QK1_TILE, HOPPER_TILES, hopper_constexprs
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
-    from mla_tune.backends.triton_mla.launch import (
-        HOPPER_KSPLIT_TILE, HOPPER_MAXNREG, HOPPER_TILES, LaunchParams, _launch_fields, hopper_form)
 
     fp8 = kv == "fp8"
-    params = LaunchParams(**_launch_fields(HOPPER_KSPLIT_TILE if ksplit else HOPPER_TILES[rows]))
+    params = LaunchParams(**(HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows]).launch_fields())
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
-                 **hopper_form(params, kv_fp8=fp8, sparse=sparse, splits=1))
+                 **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1))
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}

@@ -1,9 +1,9 @@
-"""TRITON_MLA / TRITON_MLA_SPARSE against the float32 reference.
+"""MLA_TUNE_TRITON / MLA_TUNE_TRITON_SPARSE (the portable tl kernel) against the float32 reference.
 
 CPU: the kernels run under the Triton interpreter in one subprocess (the
 interpreter must be switched on before triton is imported, and must stay off
 for the GPU tests in this process), on small shapes. GPU (marker `gpu`): the
-full correctness grid of issue 4 on the device.
+full correctness grid on the device.
 """
 
 from __future__ import annotations
@@ -25,59 +25,78 @@ from mla_tune.backends.reference import mla_reference  # noqa: E402
 
 BF16_TOL, FP8_TOL = 1e-2, 2e-2
 
-# name -> (problem kwargs, shape, explicit seq_lens or None, LaunchParams fields or None, kv_scale as tensor
+# name -> (problem kwargs, shape, explicit seq_lens or None, LaunchParams keywords or None, kv_scale as tensor
 #          [, factor applied to q])
 CPU_CASES = {
     "bf16_h3_edge_lengths": (dict(num_heads=3, page_size=16), (5, 17), [1, 15, 16, 17, 0], None, False),
-    "bf16_h3_qlen2_splits": (dict(num_heads=3, page_size=16, q_len=2), (3, 70), None, (16, 16, 4, 1, 3), False),
+    "bf16_h3_qlen2_splits": (dict(num_heads=3, page_size=16, q_len=2), (3, 70), None,
+                             dict(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=3), False),
     "bf16_h20_qlen2_two_mblocks": (dict(num_heads=20, page_size=16, q_len=2), (2, 40), None,
-                                   (32, 16, 4, 1, 2, True), False),
+                                   dict(block_h=32, block_n=16, num_warps=4, num_stages=1, num_splits=2,
+                                        split_d=True), False),
     # MTP with 3 and 4 query tokens (causal inside the query block): 12 and 15 packed rows in one 16-row block, 60
     # rows in two 32-row blocks, and sparse (each query token its own top-k row)
-    "bf16_h3_qlen4_splits": (dict(num_heads=3, page_size=16, q_len=4), (3, 70), [4, 17, 70], (16, 16, 4, 1, 3),
-                             False),
+    "bf16_h3_qlen4_splits": (dict(num_heads=3, page_size=16, q_len=4), (3, 70), [4, 17, 70],
+                             dict(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=3), False),
     "fp8_h5_qlen3_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64, q_len=3), (2, 150),
-                                   None, (16, 32, 4, 2, 2, False, 0, True), False),
+                                   None, dict(block_h=16, block_n=32, num_warps=4, num_stages=2, num_splits=2,
+                                              reload_v=True), False),
     "bf16_h20_qlen3_two_mblocks": (dict(num_heads=20, page_size=16, q_len=3), (2, 40), None,
-                                   (32, 16, 4, 1, 2, True), False),
-    "sparse_bf16_h3_qlen4": (dict(num_heads=3, page_size=16, topk=32, q_len=4), (3, 60), None, (16, 16, 4, 1, 2),
-                             False),
+                                   dict(block_h=32, block_n=16, num_warps=4, num_stages=1, num_splits=2,
+                                        split_d=True), False),
+    "sparse_bf16_h3_qlen4": (dict(num_heads=3, page_size=16, topk=32, q_len=4), (3, 60), None,
+                             dict(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=2), False),
     "fp8_h5_page64_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=64), (2, 150), None,
-                             (16, 32, 4, 2, 2, False, 0, True), False),
+                             dict(block_h=16, block_n=32, num_warps=4, num_stages=2, num_splits=2, reload_v=True),
+                             False),
     "fp8_h1_scale_tensor": (dict(num_heads=1, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 33), None, None, True),
     "fp16_h3": (dict(num_heads=3, kv_cache_dtype="fp16", query_dtype="fp16", page_size=32), (2, 50), None, None,
                 False),
     # block-table entries held in registers, 4 at a time: several chunks per split, ragged ends
     "bf16_h3_hoisted_pages": (dict(num_heads=3, page_size=16), (5, 130), [1, 15, 16, 17, 130],
-                              (16, 16, 4, 3, 1, True, 0, False, 4), False),
+                              dict(block_h=16, block_n=16, num_warps=4, num_stages=3, num_splits=1, split_d=True,
+                                   hoist_pages=4), False),
     "fp8_h5_hoisted_pages_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=32), (2, 200), None,
-                                    (16, 32, 4, 3, 2, True, 0, True, 4), False),
+                                    dict(block_h=16, block_n=32, num_warps=4, num_stages=3, num_splits=2,
+                                         split_d=True, reload_v=True, hoist_pages=4), False),
     # FP8 tiles multiplied in fp16 (q scaled by 2^-8); queries of 3e4 would overflow an unscaled fp16
-    "fp8_h5_fp16_math_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (3, 90),
-                                [1, 17, 90], (16, 32, 4, 2, 2, True, 0, True, 0, True), False),
+    "fp8_h5_fp16_math_splits": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (3, 90), [1, 17, 90],
+                                dict(block_h=16, block_n=32, num_warps=4, num_stages=2, num_splits=2, split_d=True,
+                                     reload_v=True, fp16_math=True), False),
     "fp8_h3_fp16_math_large_query": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 40), None,
-                                     (16, 16, 4, 2, 1, True, 0, False, 0, True), False, 3e4),
-    "sparse_fp8_h3_fp16_math": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16, topk=24), (2, 40),
-                                None, (16, 16, 4, 2, 2, True, 0, True, 0, True), False),
+                                     dict(block_h=16, block_n=16, num_warps=4, num_stages=2, num_splits=1,
+                                          split_d=True, fp16_math=True), False, 3e4),
+    "sparse_fp8_h3_fp16_math": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16, topk=24), (2, 40), None,
+                                dict(block_h=16, block_n=16, num_warps=4, num_stages=2, num_splits=2, split_d=True,
+                                     reload_v=True, fp16_math=True), False),
     # scores split between warpgroups, p and alpha exchanged through the scratch (ragged, several splits)
     "bf16_h20_split_scores": (dict(num_heads=20, page_size=16), (4, 150), [1, 17, 150, 0],
-                              (32, 16, 4, 2, 3, True, 0, False, 0, False, 0, True), False),
-    "fp8_h5_split_scores_fp16_hoisted": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 90),
-                                         None, (16, 16, 4, 3, 2, True, 0, False, 4, True, 0, True), False),
+                              dict(block_h=32, block_n=16, num_warps=4, num_stages=2, num_splits=3, split_d=True,
+                                   split_scores=True), False),
+    "fp8_h5_split_scores_fp16_hoisted": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=16), (2, 90), None,
+                                         dict(block_h=16, block_n=16, num_warps=4, num_stages=3, num_splits=2,
+                                              split_d=True, hoist_pages=4, fp16_math=True, split_scores=True),
+                                         False),
     "sparse_bf16_h3_split_scores": (dict(num_heads=3, page_size=16, topk=40, q_len=2), (2, 60), None,
-                                    (16, 16, 4, 2, 2, True, 0, False, 0, False, 0, True), False),
-    "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None, (16, 16, 4, 1, 2),
-                             False),
+                                    dict(block_h=16, block_n=16, num_warps=4, num_stages=2, num_splits=2,
+                                         split_d=True, split_scores=True), False),
+    "sparse_bf16_h3_qlen2": (dict(num_heads=3, page_size=16, topk=32, q_len=2), (3, 60), None,
+                             dict(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=2), False),
     "sparse_fp8_h3_page1": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24), (2, 40), None,
-                            (16, 16, 4, 2, 1, True, 0, True), False),
+                            dict(block_h=16, block_n=16, num_warps=4, num_stages=2, num_splits=1, split_d=True,
+                                 reload_v=True), False),
     # sparse rows looked up a chunk of top-k slots at a time (ragged chunks, -1 slots, several splits)
     "sparse_bf16_h3_hoisted_topk": (dict(num_heads=3, page_size=16, topk=40, q_len=2), (3, 60), [60, 17, 33],
-                                    (16, 16, 4, 2, 2, True, 0, False, 16), False),
+                                    dict(block_h=16, block_n=16, num_warps=4, num_stages=2, num_splits=2,
+                                         split_d=True, hoist_pages=16), False),
     # the 32-row sparse BF16 tile (odd head count: 20 of 32 rows used), hoisted, two splits
     "sparse_bf16_h20_rows32_hoisted": (dict(num_heads=20, page_size=16, topk=48, q_len=2), (3, 70), [70, 17, 40],
-                                       (32, 16, 4, 3, 2, True, 0, False, 32), False),
+                                       dict(block_h=32, block_n=16, num_warps=4, num_stages=3, num_splits=2,
+                                            split_d=True, hoist_pages=32), False),
     "sparse_fp8_h5_hoisted_topk_page1": (dict(num_heads=5, kv_cache_dtype="fp8_e4m3", page_size=1, topk=24),
-                                         (2, 40), None, (16, 16, 4, 2, 1, True, 0, True, 32, True), False),
+                                         (2, 40), None, dict(block_h=16, block_n=16, num_warps=4, num_stages=2,
+                                                             num_splits=1, split_d=True, reload_v=True,
+                                                             hoist_pages=32, fp16_math=True), False),
 }
 
 
@@ -105,7 +124,7 @@ def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=N
     out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                           sm_scale=inputs.sm_scale, kv_scale=kv_scale, topk_indices=inputs.topk_indices,
                           params=params if isinstance(params, LaunchParams) or params is None
-                          else LaunchParams(*params))
+                          else LaunchParams(**params))
     ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                      sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
                                      topk_indices=inputs.topk_indices)
@@ -120,7 +139,7 @@ def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=N
 
 
 def _adapter_case(problem: Problem, shape: Shape, *, device) -> dict:
-    """TRITON_MLA(_SPARSE) through prepare/run with the default (work-balanced) splits."""
+    """MLA_TUNE_TRITON(_SPARSE) through prepare/run with the default (work-balanced) splits."""
     from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLASparse
 
     inputs = make_inputs(problem, shape, device=device, seed=11)
@@ -151,7 +170,7 @@ def _combine_case(splits: int, at_once: int) -> dict:
     import triton
 
     from mla_tune.backends.triton_mla import _interpreter
-    from mla_tune.backends.triton_mla.kernel import _mla_combine_kernel
+    from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
 
     _interpreter.apply()
     gen = torch.Generator().manual_seed(splits * 10 + at_once)
@@ -226,7 +245,7 @@ def test_empty_request_gives_zero_output_and_minus_inf_lse(interpreted_results):
 
 
 def test_default_splits_fill_the_gpu_and_respect_the_workspace_bound():
-    from mla_tune.backends.triton_mla.launch import default_params
+    from mla_tune.backends.triton_mla.splits import default_params
 
     small = default_params(num_heads=16, q_len=1, batch=1, max_items=16384, num_sms=132)
     assert small.num_splits > 16, "one long request must be split across many SMs"
@@ -242,7 +261,7 @@ def test_default_splits_fill_the_gpu_and_respect_the_workspace_bound():
 
 
 def test_gpus_without_228kb_shared_memory_get_16_row_tiles():
-    from mla_tune.backends.triton_mla.launch import default_params
+    from mla_tune.backends.triton_mla.splits import default_params
 
     hopper = default_params(num_heads=128, q_len=1, batch=8, max_items=4096, num_sms=132, cc_major=9)
     ampere = default_params(num_heads=128, q_len=1, batch=8, max_items=4096, num_sms=108, cc_major=8)
@@ -252,37 +271,38 @@ def test_gpus_without_228kb_shared_memory_get_16_row_tiles():
 
 def test_every_tile_table_entry_launches_dense_and_sparse():
     # each entry must give valid launch parameters; a sparse chunk of top-k slots holds whole tiles
-    from mla_tune.backends.triton_mla.launch import (
-        SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES, SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile)
+    from mla_tune.backends.triton_mla.dispatch import (
+        SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES, SPARSE_TILE_TABLE, TILE_TABLE)
+    from mla_tune.backends.triton_mla.splits import params_from_tile
 
     for sparse, table, small in ((False, TILE_TABLE, SMALL_BATCH_TILES),
                                  (True, SPARSE_TILE_TABLE, SPARSE_SMALL_BATCH_TILES)):
         assert set(table) == {(k, b) for k in ("16bit", "fp8") for b in (16, 32, 64, 128)}
         assert set(small) <= set(table)
-        entries = list(table.items()) + [(key, fields) for key, (_, fields) in small.items()]
-        for (kind, bucket), fields in entries:
-            tile = Tile(*fields)
-            p = params_from_tile(tile, rows=bucket, q_len=1, batch=4, max_items=2048, num_sms=132,
+        entries = list(table.items()) + [(key, entry.tile) for key, entry in small.items()]
+        for (kind, bucket), tile in entries:
+            p = params_from_tile(tile, num_heads=bucket, q_len=1, batch=4, max_items=2048, num_sms=132,
                                  sparse=sparse, lengths=[2048] * 4)
             assert p.split_items % p.block_n == 0 and p.num_splits * p.split_items >= 2048, (kind, bucket, p)
             assert not sparse or p.hoist_pages % p.block_n == 0, (kind, bucket, p)
 
 
 def test_small_batches_take_their_own_tile_up_to_the_measured_batch():
-    from mla_tune.backends.triton_mla.launch import SMALL_BATCH_TILES, TILE_TABLE, Tile, default_params
+    from mla_tune.backends.triton_mla.dispatch import SMALL_BATCH_TILES, TILE_TABLE
+    from mla_tune.backends.triton_mla.splits import default_params
 
-    (max_batch, small), = [v for k, v in SMALL_BATCH_TILES.items() if k == ("fp8", 32)]
-    few = default_params(num_heads=32, q_len=1, batch=max_batch, max_items=4096, num_sms=132, kv_fp8=True)
-    many = default_params(num_heads=32, q_len=1, batch=max_batch + 1, max_items=4096, num_sms=132, kv_fp8=True)
-    assert few.block_h == Tile(*small).block_h == 16
-    assert many.block_h == Tile(*TILE_TABLE[("fp8", 32)]).block_h == 32
+    small = SMALL_BATCH_TILES[("fp8", 32)]
+    few = default_params(num_heads=32, q_len=1, batch=small.max_batch, max_items=4096, num_sms=132, kv_fp8=True)
+    many = default_params(num_heads=32, q_len=1, batch=small.max_batch + 1, max_items=4096, num_sms=132, kv_fp8=True)
+    assert few.block_h == small.tile.block_h == 16
+    assert many.block_h == TILE_TABLE[("fp8", 32)].block_h == 32
     bf16 = default_params(num_heads=32, q_len=1, batch=1, max_items=4096, num_sms=132)
-    assert bf16.block_h == Tile(*TILE_TABLE[("16bit", 32)]).block_h, "only measured buckets change"
+    assert bf16.block_h == TILE_TABLE[("16bit", 32)].block_h, "only measured buckets change"
 
 
 def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
     from mla_tune.backends.inputs import ragged_lengths
-    from mla_tune.backends.triton_mla.launch import balanced_splits
+    from mla_tune.backends.triton_mla.splits import balanced_splits
 
     for batch, kv_len in [(1, 4096), (4, 16384), (16, 16384), (64, 4096), (128, 32768)]:
         lengths = ragged_lengths(Shape(batch, kv_len), page_size=64, seed=3)
@@ -317,7 +337,7 @@ def test_mla_decode_names_the_bad_tensor():
         mla_decode(q, kv.bfloat16(), bt, lens.to("meta"), sm_scale=0.1)
 
 
-# ---------------------------------------------------------------- GPU: the full grid of issue 4
+# ---------------------------------------------------------------- GPU: the full correctness grid
 
 GPU_HEADS = (1, 3, 16, 20, 64, 128)
 EDGE_LENGTHS = [1, 15, 16, 17, 1000, 0]
@@ -376,12 +396,13 @@ def test_gpu_dense_long(kv_dtype, heads, batch, kv_len):
 @pytest.mark.parametrize("heads,page_size", [(3, 16), (64, 64), (128, 16)])
 def test_gpu_split_scores_edge_lengths(kv_dtype, q_len, heads, page_size):
     # the 64-row tile with its score matmul split between warpgroups (p exchanged via scratch)
-    from mla_tune.backends.triton_mla.launch import TILE_TABLE, Tile, params_from_tile
+    from mla_tune.backends.triton_mla.dispatch import TILE_TABLE
+    from mla_tune.backends.triton_mla.splits import params_from_tile
 
     kind = "fp8" if kv_dtype == "fp8_e4m3" else "16bit"
-    tile = Tile(*TILE_TABLE[(kind, 64)])._replace(split_scores=True)
+    tile = TILE_TABLE[(kind, 64)].replace(split_scores=True)
     lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
-    params = params_from_tile(tile, rows=heads * q_len, q_len=q_len, batch=len(lens), max_items=5000,
+    params = params_from_tile(tile, num_heads=heads, q_len=q_len, batch=len(lens), max_items=5000,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count, lengths=lens)
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, q_len=q_len)
     r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
@@ -394,11 +415,13 @@ def test_gpu_split_scores_edge_lengths(kv_dtype, q_len, heads, page_size):
 @pytest.mark.parametrize("heads", [16, 64])
 def test_gpu_fp8_large_query_stays_finite(heads, fp16_math):
     # |q| up to ~1.5e5: past fp16's 65504, so the fp16 path must keep its 2^-8 query scale
-    from mla_tune.backends.triton_mla.launch import TILE_TABLE, Tile, params_from_tile, rows_bucket
+    from mla_tune.backends.triton_mla.config import rows_bucket
+    from mla_tune.backends.triton_mla.dispatch import TILE_TABLE
+    from mla_tune.backends.triton_mla.splits import params_from_tile
 
-    tile = Tile(*TILE_TABLE[("fp8", rows_bucket(heads))])._replace(fp16_math=fp16_math)
+    tile = TILE_TABLE[("fp8", rows_bucket(heads))].replace(fp16_math=fp16_math)
     problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=64)
-    params = params_from_tile(tile, rows=heads, q_len=1, batch=3, max_items=2000,
+    params = params_from_tile(tile, num_heads=heads, q_len=1, batch=3, max_items=2000,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     r = _run_case(problem, Shape(3, 2000), device="cuda", params=params, q_mult=3e4)
     assert not r["nan"] and r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
@@ -420,12 +443,14 @@ def test_gpu_sparse_topk2048(kv_dtype, q_len, heads):
                                                    (128, 1, 64)])
 def test_gpu_sparse_hoisted_topk(kv_dtype, heads, page_size, hoist):
     # rows looked up a chunk of top-k slots at a time; short requests give -1 slots and a ragged last chunk
-    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, Tile, params_from_tile, rows_bucket
+    from mla_tune.backends.triton_mla.config import rows_bucket
+    from mla_tune.backends.triton_mla.dispatch import SPARSE_TILE_TABLE
+    from mla_tune.backends.triton_mla.splits import params_from_tile
 
     kind = "fp8" if kv_dtype == "fp8_e4m3" else "16bit"
-    tile = Tile(*SPARSE_TILE_TABLE[(kind, rows_bucket(heads))])._replace(hoist_pages=hoist)
+    tile = SPARSE_TILE_TABLE[(kind, rows_bucket(heads))].replace(hoist_pages=hoist)
     batch = 6  # ragged lengths up to 2500: most requests have fewer than 2048 positions to choose from
-    params = params_from_tile(tile, rows=heads, q_len=2, batch=batch, max_items=2048, sparse=True,
+    params = params_from_tile(tile, num_heads=heads, q_len=2, batch=batch, max_items=2048, sparse=True,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                               lengths=[2048] * batch)
     problem = Problem(num_heads=heads, kv_cache_dtype=kv_dtype, page_size=page_size, topk=2048, q_len=2)
@@ -439,11 +464,12 @@ def test_gpu_sparse_hoisted_topk(kv_dtype, heads, page_size, hoist):
                                                  ("fp8_e4m3", 32, 2048), ("bf16", 64, None), ("bf16", 33, None)])
 def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
     # batches up to SMALL_BATCH_TILES' limit take the narrower tile: several 16-row blocks per request
-    from mla_tune.backends.triton_mla.launch import (
-        SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES, default_params, rows_bucket)
+    from mla_tune.backends.triton_mla.config import rows_bucket
+    from mla_tune.backends.triton_mla.dispatch import SMALL_BATCH_TILES, SPARSE_SMALL_BATCH_TILES
+    from mla_tune.backends.triton_mla.splits import default_params
 
     kind = ("fp8" if kv_dtype == "fp8_e4m3" else "16bit", rows_bucket(heads))
-    batch = min(3, (SPARSE_SMALL_BATCH_TILES if topk else SMALL_BATCH_TILES)[kind][0])
+    batch = min(3, (SPARSE_SMALL_BATCH_TILES if topk else SMALL_BATCH_TILES)[kind].max_batch)
     lens = [5000, 17, 1000][:batch]
     # cc_major None: the tl tables as they stand (on SM90 the warp-specialised kernel may take the batch)
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=topk or 5000, num_sms=132,
@@ -460,7 +486,7 @@ def test_gpu_small_batch_tiles(kv_dtype, heads, topk):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp16"])
 def test_gpu_sparse_32_rows_above_the_small_batch_limit(kv_dtype):
     # batch 17 > SPARSE_SMALL_BATCH_TILES' 16: one hoisted 32-row program per query token and split
-    from mla_tune.backends.triton_mla.launch import default_params
+    from mla_tune.backends.triton_mla.splits import default_params
 
     batch = 17
     params = default_params(num_heads=32, q_len=2, batch=batch, max_items=2048, num_sms=132, sparse=True,
@@ -521,14 +547,15 @@ def test_opaque_v_cast_reads_v_as_fp16_through_ldmatrix_trans_on_sm90():
                                                           (32, 128, 32, None), (16, 1, 16, 2048), (20, 64, 32, 2048)])
 def test_gpu_opaque_v_cast(q_len, heads, page_size, block_h, topk):
     # FP8 V reload cast by inline asm (opaque_v_cast): edge and ragged lengths, permuted pages, top-k
-    from mla_tune.backends.triton_mla.launch import SPARSE_TILE_TABLE, TILE_TABLE, Tile, params_from_tile
+    from mla_tune.backends.triton_mla.dispatch import SPARSE_TILE_TABLE, TILE_TABLE
+    from mla_tune.backends.triton_mla.splits import params_from_tile
 
-    tile = Tile(*(SPARSE_TILE_TABLE if topk else TILE_TABLE)[("fp8", block_h)])
-    tile = tile._replace(reload_v=True, fp16_math=True, opaque_v_cast=True)
+    tile = (SPARSE_TILE_TABLE if topk else TILE_TABLE)[("fp8", block_h)]
+    tile = tile.replace(reload_v=True, fp16_math=True, opaque_v_cast=True)
     # dense: edge lengths; sparse: ragged lengths up to 2500, so most requests leave top-k slots at -1
     lens = None if topk else [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
     batch = 6 if topk else len(lens)
-    params = params_from_tile(tile, rows=heads if topk else heads * q_len, q_len=q_len, batch=batch,
+    params = params_from_tile(tile, num_heads=heads, q_len=q_len, batch=batch,
                               max_items=topk or 5000, sparse=bool(topk), lengths=[topk] * batch if topk else lens,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len, topk=topk)
@@ -537,13 +564,15 @@ def test_gpu_opaque_v_cast(q_len, heads, page_size, block_h, topk):
     assert r["rel_err"] < FP8_TOL and r["lse_err"] < 1e-2, r
 
 
+@pytest.mark.slow
 def test_fp8_kernels_compile_from_sm89_as_the_registry_declares():
     # Triton has e4m3 only from SM89: the registry's fp8_min_cc must say so (offline compile, no GPU)
     from offline_compile import kernel_ptx
 
     from mla_tune.backends.registry import BACKENDS
 
-    assert BACKENDS["TRITON_MLA"].capabilities.fp8_min_cc == (8, 9)
+    ours = [info for info in BACKENDS.values() if info.adapter == "mla_tune.backends.triton_mla.adapter:TritonMLA"]
+    assert len(ours) == 1 and ours[0].capabilities.fp8_min_cc == (8, 9)
     tile = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
     assert "mma.sync" in kernel_ptx(**tile, arch=89) and "mma.sync" in kernel_ptx(**tile, arch=80, fp8=False)
     with pytest.raises(Exception, match="fp8e4nv not supported"):

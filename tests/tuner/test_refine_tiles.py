@@ -72,7 +72,8 @@ def _interpreted_refinement(kv: str) -> dict:
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.reference import mla_reference
     from mla_tune.backends.triton_mla import mla_decode
-    from mla_tune.backends.triton_mla.launch import candidate_tiles, tile_from_dict
+    from mla_tune.backends.triton_mla.config import tile_from_dict
+    from mla_tune.backends.triton_mla.dispatch import candidate_tiles
     from mla_tune.tuner.timing import Timing
 
     def real_runs(steps, **_):  # runs each step once (the real kernel); made-up times, the last one fastest
@@ -89,7 +90,7 @@ def _interpreted_refinement(kv: str) -> dict:
     ref, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
                            kv_scale=inputs.kv_scale)
     return {"status": out.status, "rel_error": out.rel_error, "params": out.params,
-            "tiles": [t._asdict() for t in tiles],
+            "tiles": [t.as_dict() for t in tiles],
             "tile_ok": tile_from_dict(out.params["tile"]) in tiles,
             "decode_rel_err": float((got.float() - ref.float()).norm() / ref.float().norm())}
 
@@ -115,12 +116,13 @@ def test_our_triton_kernel_is_refined_under_the_interpreter(kv):
 
 
 def test_a_stored_tile_with_an_unknown_or_impossible_field_is_refused():
-    from mla_tune.backends.triton_mla.launch import HOPPER_TILE, tile_from_dict
+    from mla_tune.backends.triton_mla.config import tile_from_dict
+    from mla_tune.backends.triton_mla.dispatch import HOPPER_TOKEN_SPLIT_TILE as HOPPER_TILE
 
-    assert tile_from_dict(HOPPER_TILE._asdict()) == HOPPER_TILE
+    assert tile_from_dict(HOPPER_TILE.as_dict()) == HOPPER_TILE
     with pytest.raises(ValueError, match="unknown tile field 'evil'"):
-        tile_from_dict({**HOPPER_TILE._asdict(), "evil": 1})
+        tile_from_dict({**HOPPER_TILE.as_dict(), "evil": 1})
     with pytest.raises(ValueError, match="incomplete tile"):
         tile_from_dict({"block_h": 64})
     with pytest.raises(ValueError, match="warp_specialized"):
-        tile_from_dict({**HOPPER_TILE._asdict(), "block_h": 16, "num_warps": 8})
+        tile_from_dict({**HOPPER_TILE.as_dict(), "block_h": 16, "num_warps": 8})

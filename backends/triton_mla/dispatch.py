@@ -1,0 +1,256 @@
+"""Every dispatch table of the kernels, and the functions that read them.
+
+`default_tile` picks a tile from the problem and the GPU; `candidate_tiles` lists what the tuner times around it;
+`hopper_constexprs` picks the Hopper kernel's per-form switches. The measurement behind each entry is in
+docs/kernels.md ("Dispatch table"); a key `(kind, bucket)` is the KV kind ("16bit" or "fp8") and the packed query
+rows rounded up to 16, 32, 64 or 128 (`config.rows_bucket`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mla_tune.backends.triton_mla.config import (
+    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE,
+    HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile, packed_rows,
+    rows_bucket)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinBatch:
+    """The smallest batch from which a kernel form replaces the tl tile (None: never), dense and sparse."""
+
+    dense: int | None
+    sparse: int | None
+
+    def of(self, *, sparse: bool) -> int | None:
+        return self.sparse if sparse else self.dense
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmallBatch:
+    """A tile that replaces the table's tile up to `max_batch` requests."""
+
+    max_batch: int
+    tile: Tile
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongerSplits:
+    """From `min_batch` requests, splits of at least `min_split_tokens` instead of the tile's own minimum."""
+
+    min_batch: int
+    min_split_tokens: int
+
+
+def _tl(*, block_h, block_n, num_warps, num_stages, per_sm, min_split_tokens, reload_v=False, **flags) -> Tile:
+    """A tl-kernel tile; every tl table entry splits the latent columns (`split_d`)."""
+    return Tile(block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_d=True,
+                per_sm=per_sm, reload_v=reload_v, min_split_tokens=min_split_tokens, **flags)
+
+
+# The tl kernel's tile by (kind, bucket), dense.
+TILE_TABLE = {
+    ("16bit", 16): _tl(block_h=16, block_n=32, num_warps=4, num_stages=2, per_sm=3, min_split_tokens=64),
+    # two 16-row blocks share each KV tile through L2
+    ("16bit", 32): _tl(block_h=16, block_n=32, num_warps=4, num_stages=3, per_sm=2, min_split_tokens=128,
+                       hoist_pages=64),
+    ("16bit", 64): _tl(block_h=64, block_n=64, num_warps=8, num_stages=2, per_sm=1, min_split_tokens=64),
+    ("16bit", 128): _tl(block_h=64, block_n=64, num_warps=8, num_stages=2, per_sm=1, min_split_tokens=64,
+                        split_scores=True),
+    ("fp8", 16): _tl(block_h=16, block_n=32, num_warps=4, num_stages=2, per_sm=2, min_split_tokens=64,
+                     reload_v=True, hoist_pages=64, fp16_math=True),
+    ("fp8", 32): _tl(block_h=32, block_n=32, num_warps=4, num_stages=2, per_sm=2, min_split_tokens=32,
+                     reload_v=True, hoist_pages=64, fp16_math=True, opaque_v_cast=True),
+    ("fp8", 64): _tl(block_h=64, block_n=64, num_warps=8, num_stages=2, per_sm=1, min_split_tokens=64,
+                     fp16_math=True),
+    ("fp8", 128): _tl(block_h=64, block_n=64, num_warps=8, num_stages=2, per_sm=1, min_split_tokens=64,
+                      fp16_math=True),
+}
+# The same for sparse (top-k) decode: a program's rows are the heads of one query token.
+SPARSE_TILE_TABLE = {
+    ("16bit", 16): _tl(block_h=16, block_n=32, num_warps=4, num_stages=3, per_sm=2, min_split_tokens=64,
+                       hoist_pages=64),
+    ("16bit", 32): _tl(block_h=32, block_n=32, num_warps=4, num_stages=3, per_sm=2, min_split_tokens=64,
+                       hoist_pages=64),
+    ("16bit", 64): TILE_TABLE[("16bit", 64)],
+    ("16bit", 128): TILE_TABLE[("16bit", 128)],
+    ("fp8", 16): _tl(block_h=16, block_n=32, num_warps=4, num_stages=2, per_sm=2, min_split_tokens=64,
+                     reload_v=True, fp16_math=True),
+    ("fp8", 32): _tl(block_h=32, block_n=32, num_warps=4, num_stages=2, per_sm=2, min_split_tokens=32,
+                     reload_v=True, fp16_math=True, opaque_v_cast=True),
+    ("fp8", 64): TILE_TABLE[("fp8", 64)],
+    ("fp8", 128): TILE_TABLE[("fp8", 128)],
+}
+# Few requests: a narrower tile's extra programs beat the wider tile's single read of each KV tile.
+SMALL_BATCH_TILES = {
+    ("fp8", 32): SmallBatch(max_batch=4, tile=_tl(block_h=16, block_n=32, num_warps=4, num_stages=2, per_sm=2,
+                                                  min_split_tokens=64, reload_v=True, hoist_pages=64,
+                                                  fp16_math=True)),
+    ("16bit", 64): SmallBatch(max_batch=1, tile=TILE_TABLE[("16bit", 16)]),
+}
+SPARSE_SMALL_BATCH_TILES = {
+    ("fp8", 32): SmallBatch(max_batch=4, tile=SPARSE_TILE_TABLE[("fp8", 16)]),
+    ("16bit", 32): SmallBatch(max_batch=16, tile=_tl(block_h=16, block_n=32, num_warps=4, num_stages=3, per_sm=2,
+                                                     min_split_tokens=128)),
+}
+
+# The Hopper kernel's tiles: one program per SM, splits of at least 128 tokens.
+HOPPER_TOKEN_SPLIT_TILE = hopper_tile(HOPPER_TOKEN_SPLIT_SHAPE)
+HOPPER_NARROW_TILES = {rows: hopper_tile(shape) for rows, shape in HOPPER_NARROW_SHAPES.items()}
+HOPPER_TILES = {64: HOPPER_TOKEN_SPLIT_TILE, **HOPPER_NARROW_TILES}  # by rows bucket
+HOPPER_QK1_TILE = hopper_tile(HOPPER_QK1_SHAPE)
+# Where each Hopper form replaces the tl tile on SM90, tried in this order (narrow, qk1, token-split).
+HOPPER_NARROW_MIN_BATCH = {
+    ("fp8", 16): MinBatch(dense=1, sparse=1), ("fp8", 32): MinBatch(dense=1, sparse=1),
+    ("16bit", 16): MinBatch(dense=None, sparse=16), ("16bit", 32): MinBatch(dense=None, sparse=64),
+}
+HOPPER_QK1_MIN_BATCH = {
+    ("16bit", 64): MinBatch(dense=16, sparse=1), ("16bit", 128): MinBatch(dense=4, sparse=1),
+    ("fp8", 64): MinBatch(dense=1, sparse=64), ("fp8", 128): MinBatch(dense=16, sparse=64),
+}
+HOPPER_TOKEN_SPLIT_MIN_BATCH = {
+    ("16bit", 32): MinBatch(dense=16, sparse=4), ("16bit", 64): MinBatch(dense=1, sparse=1),
+    ("16bit", 128): MinBatch(dense=1, sparse=1), ("fp8", 64): MinBatch(dense=1, sparse=1),
+    ("fp8", 128): MinBatch(dense=1, sparse=1),
+}
+# Sparse requests on the qk1 form that take longer splits.
+HOPPER_QK1_SPARSE_SPLITS = {("16bit", 128): LongerSplits(min_batch=4, min_split_tokens=256)}
+# Short requests at small batches stay on the tl tiles (too few tiles a program for the Hopper set-up).
+HOPPER_MIN_ITEMS = 2048
+HOPPER_SHORT_BATCH_DEFAULT = 64
+HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8", 128): 4,
+                      ("16bit", 64): 16, ("16bit", 128): 4}  # dense only: the smallest batch that is not short
+
+# Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
+# The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
+HOPPER_STAGED_LOADERS = {False: 1, True: 2}
+# Forms whose query every warp loads before the partitions start (elsewhere the MMA warps load it).
+QUERY_BEFORE_PARTITIONS = {("token_split", "fp8", "dense"), ("qk1", "16bit", "dense"), ("qk1", "fp8", "dense")}
+# Forms whose FP8 register loader asks the L2 for the next tile's lines before it waits for a slot.
+L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "dense"), ("qk1", "fp8", "dense"),
+                     ("qk1", "fp8", "sparse")}
+# Forms whose FP8 loader loads the next tile before it waits for its slot -> the most tiles a program may have.
+LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
+# Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
+HOPPER_CONSUMER_FENCE = False
+# Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
+QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
+
+# Splits whose partials the combine loads together.
+COMBINE_SPLITS_AT_ONCE = 32
+# The split model's cost of one split partial, in KV tokens of one program's time per packed query row.
+PARTIAL_ROW_TOKENS = 0.02
+# The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
+REFINE_SPLIT_FACTORS = (2.0, 0.5)
+REFINE_MAX_TILES = 4
+
+
+def _kind(kv_fp8: bool) -> str:
+    return "fp8" if kv_fp8 else "16bit"
+
+
+def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse: bool) -> bool:
+    """Too few tiles per program for the warp-specialised kernel (see HOPPER_SHORT_BATCH)."""
+    min_batch = HOPPER_SHORT_BATCH_DEFAULT if sparse else HOPPER_SHORT_BATCH.get((kind, bucket),
+                                                                                 HOPPER_SHORT_BATCH_DEFAULT)
+    return max_items < HOPPER_MIN_ITEMS and batch < min_batch
+
+
+def _hopper_tile(kind: str, bucket: int, *, batch: int, sparse: bool) -> Tile | None:
+    """The first Hopper form whose table takes (kind, bucket) at this batch, or None."""
+    for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_QK1_MIN_BATCH, HOPPER_QK1_TILE),
+                        (HOPPER_TOKEN_SPLIT_MIN_BATCH, HOPPER_TOKEN_SPLIT_TILE)):
+        entry = table.get((kind, bucket))
+        min_batch = entry.of(sparse=sparse) if entry else None
+        if min_batch is not None and batch >= min_batch:
+            longer = HOPPER_QK1_SPARSE_SPLITS.get((kind, bucket)) if sparse and tile == HOPPER_QK1_TILE else None
+            if longer and batch >= longer.min_batch:
+                return tile.replace(min_split_tokens=longer.min_split_tokens)
+            return tile
+    return None
+
+
+def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
+                 kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
+    """The heuristic's tile: on SM90 the first Hopper form whose table takes the shape (unless the requests are
+    short), otherwise the tl kernel's tile for the rows bucket.
+
+    Args:
+        max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
+        cc_major: the GPU's compute-capability major (None: the CPU interpreter).
+    """
+    kind, bucket = _kind(kv_fp8), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
+    short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
+    if cc_major in HOPPER_CC_MAJORS and not short:
+        tile = _hopper_tile(kind, bucket, batch=batch, sparse=sparse)
+        if tile is not None:
+            return tile
+    return table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
+
+
+def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: int | None) -> Tile:
+    """The tl kernel's tile for a KV kind and rows bucket (16-row tiles where the 64-row ones do not fit)."""
+    if cc_major is not None and cc_major not in BIG_TILE_CC_MAJORS and bucket > 32:
+        bucket = 16
+    small = (SPARSE_SMALL_BATCH_TILES if sparse else SMALL_BATCH_TILES).get((kind, bucket))
+    if small is not None and batch <= small.max_batch:
+        return small.tile
+    return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
+
+
+def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
+                    kv_fp8: bool = False, cc_major: int | None = None) -> list[Tile]:
+    """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
+    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows), then the default with its
+    minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
+    default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                           kv_fp8=kv_fp8, cc_major=cc_major)
+    bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
+    wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
+    family = []
+    if cc_major in HOPPER_CC_MAJORS:
+        if default.warp_specialized:
+            family.append(table_tile(_kind(kv_fp8), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
+        family += [HOPPER_TILES[b] for b in sorted({min(bucket, wide), wide})]
+        if bucket >= wide:
+            family.append(HOPPER_QK1_TILE)
+    splits = PARAM_SPACE["min_split_tokens"]
+    scaled = [default.replace(min_split_tokens=min(max(int(default.min_split_tokens * f), splits[0]), splits[-1]))
+              for f in REFINE_SPLIT_FACTORS]
+    tiles = []
+    for tile in [default, *family, *scaled]:
+        if tile not in tiles and len(tiles) < REFINE_MAX_TILES:
+            tiles.append(tile)
+    return tiles
+
+
+def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool) -> int:
+    """The Hopper kernel's `STAGED_LOADERS`: `HOPPER_STAGED_LOADERS` in the narrow FP8 form, 1 elsewhere."""
+    if not kv_fp8 or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
+        return 1
+    return HOPPER_STAGED_LOADERS[sparse]
+
+
+def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None,
+                      kv_words: bool = True) -> dict:
+    """The Hopper kernel's constexprs that pick its form, registers and per-form switches for `params`.
+
+    Args:
+        tiles: the most KV tiles a program has (None: not known, as for an offline compile).
+        kv_words: the cache's base and strides are whole 32-bit words (`launcher.kv_cache_in_words`), which the
+            loader ahead reads it as.
+    """
+    form = (params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense")
+    qk1 = form[0] == "qk1"
+    max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
+    by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
+    ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words
+    load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
+    return dict(
+        STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
+        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse),
+        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
+        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS,
+        CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0)

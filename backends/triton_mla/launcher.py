@@ -1,0 +1,119 @@
+"""The launcher: enqueues stage 1 (the tl kernel or the Hopper kernel) and the combine. No allocation, no sync."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
+from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, HOPPER_MAXNREG, LaunchParams
+from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
+from mla_tune.backends.triton_mla.splits import m_blocks_of
+from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
+from mla_tune.backends.triton_mla.workspace import Workspace
+
+LOG2E = 1.4426950408889634
+
+
+def kv_cache_in_words(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` can be read as 32-bit words: its base address and page and token strides in bytes are
+    multiples of 4 (a view with an odd row stride is not; the FP8 loader ahead divides the strides by 4)."""
+    size = kv_cache.element_size()
+    return (kv_cache.data_ptr() % 4 == 0 and (kv_cache.stride(0) * size) % 4 == 0
+            and (kv_cache.stride(1) * size) % 4 == 0)
+
+
+def _destinations(out, lse, workspace: Workspace | None, splits: int) -> tuple:
+    """(stage-1 output, its 4 strides, stage-1 LSE, its 4 strides): the split partials, or with one split the
+    final outputs (split stride 0)."""
+    if splits > 1:
+        o_dst, l_dst = workspace.o_part, workspace.lse_part
+        return (o_dst, (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), o_dst.stride(3)),
+                l_dst, (l_dst.stride(0), l_dst.stride(1), l_dst.stride(2), l_dst.stride(3)))
+    return (out, (out.stride(0), 0, out.stride(1), out.stride(2)),
+            lse, (lse.stride(0), 0, lse.stride(1), lse.stride(2)))
+
+
+def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+           seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+           sm_scale: float, kv_scale, topk_indices: torch.Tensor | None,
+           params: LaunchParams, workspace: Workspace | None):
+    """Enqueue stage 1 (and the combine when `params.num_splits > 1`); no allocation, no sync.
+
+    Returns the compiled stage-1 kernel (its `n_regs`, `n_spills`, `metadata`).
+
+    Args:
+        q: `[batch, q_len, heads, 576]`, last dim contiguous.
+        kv_cache: `[num_pages, page_size, 576]`, last dim contiguous.
+        out: `[batch, q_len, heads, 512]` in q's dtype (written).
+        lse: fp32 `[batch, q_len, heads]` (written).
+        kv_scale: None, a float, or a 0-d fp32 tensor on q's device.
+    """
+    batch, q_len, num_heads, _ = q.shape
+    page_size = kv_cache.shape[1]
+    sparse = topk_indices is not None
+    kv_cast = kv_cache.dtype != q.dtype
+    scale_is_ptr = isinstance(kv_scale, torch.Tensor)
+    scale_value = 1.0 if kv_scale is None or scale_is_ptr else float(kv_scale)
+    topk = topk_indices.shape[2] if sparse else 0
+    tk_strides = (topk_indices.stride(0), topk_indices.stride(1)) if sparse else (0, 0)
+    if sparse and params.hoist_pages % params.block_n:
+        raise ValueError(f"sparse hoist_pages {params.hoist_pages} is not a multiple of block_n {params.block_n}")
+    splits = params.num_splits
+    split_items = params.split_items
+    if split_items <= 0:
+        capacity = topk if sparse else block_table.shape[1] * page_size
+        split_items = triton.cdiv(triton.cdiv(capacity, splits), params.block_n) * params.block_n
+    o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
+    # FP8 tiles multiplied in fp16 with the bf16 query scaled by Q_FP16_SCALE first: the tl kernel where
+    # params.fp16_math says so, the Hopper kernel always (an fp16 query needs no scale).
+    fp16_math = kv_cast and q.dtype == torch.bfloat16 and (params.fp16_math or params.warp_specialized)
+    # The arguments both stage-1 kernels take, in their order (the Hopper kernel has the tl kernel's signature).
+    args = (q, kv_cache, block_table, seq_lens, topk_indices if sparse else seq_lens,
+            kv_scale if scale_is_ptr else seq_lens, o_dst, l_dst,
+            sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
+            q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
+    grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
+    common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
+                  KV_SCALE_IS_PTR=scale_is_ptr)
+    if params.warp_specialized:
+        compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params,
+                                  tiles=triton.cdiv(split_items, params.block_n))
+    else:
+        compiled = _mla_split_kernel[grid](
+            *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,
+            DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
+            HOIST_PAGES=params.hoist_pages, FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
+            p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
+            num_warps=params.num_warps, num_stages=params.num_stages,
+            **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
+    if splits > 1:
+        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits)
+    return compiled
+
+
+def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int) -> None:
+    """Stage 2: merge the split partials into `out` / `lse`."""
+    batch, q_len = out.shape[0], out.shape[1]
+    _mla_combine_kernel[(q_len * num_heads, batch)](
+        workspace.o_part, workspace.lse_part, out, lse,
+        *o_strides, *l_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        num_heads, splits,
+        D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
+        SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), num_warps=4,
+    )
+
+
+def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams, tiles: int):
+    """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`); `tiles`: the most KV tiles a program has."""
+    if not q.is_cuda:
+        raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
+    from mla_tune.backends.triton_mla import hopper
+
+    form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
+                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache))
+    return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
+                                           maxnreg=HOPPER_MAXNREG)

@@ -1,0 +1,101 @@
+"""The split model: how many programs share one request's KV range (flash-decoding), and the resulting launch.
+
+A tile becomes `LaunchParams` once its split count is chosen for a shape: from the per-request lengths where they
+are known (`balanced_splits`, in `prepare`), otherwise from the block table's capacity (`choose_splits`, no host
+sync). Either way `batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from mla_tune.backends.triton_mla.config import MAX_SPLITS, LaunchParams, Tile, packed_rows
+from mla_tune.backends.triton_mla.dispatch import PARTIAL_ROW_TOKENS, default_tile
+
+
+def choose_splits(*, batch: int, m_blocks: int, max_items: int, num_sms: int,
+                  min_split_tokens: int = 256, waves: int = 2) -> int:
+    """Flash-decoding split count: about `waves` waves of programs, splits >= min_split_tokens."""
+    programs = batch * m_blocks
+    wanted = (waves * num_sms) // programs
+    by_length = max(1, max_items // min_split_tokens)
+    return int(max(1, min(wanted, by_length, MAX_SPLITS)))
+
+
+def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: int, block_n: int,
+                    min_split_tokens: int, block_h: int = 64,
+                    partial_row_tokens: float | None = None) -> tuple[int, int]:
+    """(num_splits, split_items) that minimise the modelled makespan of a ragged batch.
+
+    Splits have a fixed size `s` (a multiple of block_n), so long requests get more of them. The model:
+    `m_blocks x sum(ceil(len / s))` programs run in waves of `num_sms x per_sm` resident programs and a wave
+    lasts as long as its longest program (`s` tokens), so the cost is `waves x s`; ties go to the larger `s`
+    (fewer partials to combine). With more than one split, every program adds `partial_row_tokens x block_h`
+    for writing and re-reading its partial (PARTIAL_ROW_TOKENS by default).
+    """
+    row_cost = PARTIAL_ROW_TOKENS if partial_row_tokens is None else partial_row_tokens
+    batch, max_len = len(lengths), max(max(lengths), 1)
+    cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
+    slots = num_sms * per_sm
+    lo = triton.cdiv(max(min_split_tokens, block_n), block_n) * block_n
+    hi = triton.cdiv(max_len, block_n) * block_n
+    best_cost, best_s = None, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n
+    step = block_n * max(1, (hi // block_n) // 256)  # at most ~256 candidates
+    for s in range(lo, max(hi, lo) + 1, step):
+        if triton.cdiv(max_len, s) > cap:
+            continue
+        programs = m_blocks * sum(max(1, triton.cdiv(n, s)) for n in lengths)
+        cost = triton.cdiv(programs, slots) * s
+        if triton.cdiv(max_len, s) > 1:
+            cost += row_cost * block_h * programs
+        if best_cost is None or cost <= best_cost:
+            best_cost, best_s = cost, s
+    best_s = max(best_s, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n)
+    return triton.cdiv(max_len, best_s), best_s
+
+
+def m_blocks_of(params: LaunchParams | Tile, *, num_heads: int, q_len: int, sparse: bool) -> int:
+    """Programs along the query axis of one request (grid dimension 0)."""
+    rows = packed_rows(num_heads, q_len, sparse=sparse)
+    return triton.cdiv(rows, params.block_h) * (q_len if sparse else 1)
+
+
+def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+                     sparse: bool = False, lengths: list[int] | None = None,
+                     partial_row_tokens: float | None = None) -> LaunchParams:
+    """Launch parameters for `tile`, the splits chosen for this shape.
+
+    With `lengths` (the per-request lengths, known in `prepare`) splits follow `balanced_splits`; without them
+    (no host sync allowed) every request gets the same split count over `max_items`, the block table's capacity.
+    """
+    fixed = tile.launch_fields()
+    m_blocks = m_blocks_of(tile, num_heads=num_heads, q_len=q_len, sparse=sparse)
+    if lengths is not None:
+        splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
+                                              per_sm=tile.per_sm, block_n=tile.block_n,
+                                              min_split_tokens=tile.min_split_tokens, block_h=tile.block_h,
+                                              partial_row_tokens=partial_row_tokens)
+        return LaunchParams(num_splits=splits, split_items=split_items, **fixed)
+    splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
+                           min_split_tokens=tile.min_split_tokens, waves=min(tile.per_sm, 4))
+    return LaunchParams(num_splits=splits, **fixed)
+
+
+def params_for(tile: Tile | None, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+               sparse: bool = False, kv_fp8: bool = False, lengths: list[int] | None = None,
+               cc_major: int | None = None) -> LaunchParams:
+    """`tile` (None: `dispatch.default_tile`) with its splits for this shape (`lengths`: the per-request lengths
+    (dense) or top-k per request (sparse), when known)."""
+    if tile is None:
+        tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                            kv_fp8=kv_fp8, cc_major=cc_major)
+    return params_from_tile(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
+                            num_sms=num_sms, sparse=sparse, lengths=lengths)
+
+
+def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
+                   sparse: bool = False, kv_fp8: bool = False, lengths: list[int] | None = None,
+                   cc_major: int | None = None) -> LaunchParams:
+    """The heuristic's launch: `default_tile` with its splits."""
+    return params_for(None, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, num_sms=num_sms,
+                      sparse=sparse, kv_fp8=kv_fp8, lengths=lengths, cc_major=cc_major)

@@ -1,0 +1,46 @@
+"""The split workspace, allocated once per prepared launch (never per call).
+
+Bound: the partials need `batch x num_splits x rows x 512` float32 values plus `batch x num_splits x rows` LSEs,
+`rows = q_len x heads`. The split model keeps `batch x num_splits <= batch + 4 x SMs` (`splits.py`), so the
+partials never exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 128 heads, q_len 2, 132 SMs and
+batch 1). With one split the kernel writes `out`/`lse` directly and needs no partials. With `split_scores` every
+program also owns `2 x block_h x (block_n + 2)` 2-byte scratch elements (16.5 KiB for a 64 x 64 tile; about 22 MB
+at 128 heads and batch 128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_tune.backends.triton_mla.config import D_LATENT, LaunchParams
+from mla_tune.backends.triton_mla.splits import m_blocks_of
+from mla_tune.backends.triton_mla.tl_kernel import scratch_per_program
+
+
+@dataclass
+class Workspace:
+    """Split partials: `o_part` fp32 `[batch, splits, q_len, heads, 512]`, `lse_part` fp32 `[..., heads]`
+    (None with one split); `p_scratch`: the split_scores exchange slots (None without it)."""
+
+    o_part: torch.Tensor | None
+    lse_part: torch.Tensor | None
+    p_scratch: torch.Tensor | None = None
+
+    @classmethod
+    def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
+                   device: torch.device) -> Workspace | None:
+        """What a launch with `params` needs, allocated now (None if nothing)."""
+        o_part = lse_part = p_scratch = None
+        if params.num_splits > 1:
+            shape = (batch, params.num_splits, q_len, num_heads)
+            o_part = torch.empty(*shape, D_LATENT, dtype=torch.float32, device=device)
+            lse_part = torch.empty(*shape, dtype=torch.float32, device=device)
+        if params.split_scores:
+            programs = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse) * batch * params.num_splits
+            p_scratch = torch.empty(programs * scratch_per_program(params.block_h, params.block_n),
+                                    dtype=torch.int16, device=device)
+        if o_part is None and p_scratch is None:
+            return None
+        return cls(o_part, lse_part, p_scratch)
