@@ -3,7 +3,8 @@
 What cannot exist here is replaced, and only that:
 - `vllm._C_stable_libtorch` (vLLM's CUDA ops) does not load without `libcuda.so.1`; an empty module stands in,
   so no vLLM CUDA op can run (none is needed on our decode path).
-- the GPU's identity (compute capability, SM count, name) comes from `GPU` instead of the driver.
+- the GPUs' identity (compute capability, SM count, name, how many) comes from `GPU` instead of the driver,
+  and host buffers are not page-locked (that needs the driver too).
 - modules that load CUDA extensions when imported under the CUDA platform (FlashAttention, CUTLASS checks)
   are imported first under vLLM's CPU-less default platform; then every vLLM module that bound
   `current_platform` sees the CUDA platform.
@@ -20,7 +21,7 @@ import sys
 import types
 from pathlib import Path
 
-GPU = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "sms": 132}
+GPU = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "sms": 132, "count": 8}
 _STATE: dict = {}
 
 
@@ -67,12 +68,15 @@ def start_cuda_platform():
     platform_cls.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(*GPU["capability"]))
     platform_cls.get_device_name = classmethod(lambda cls, device_id=0: GPU["name"])
     platform_cls.num_compute_units = classmethod(lambda cls, device_id=0: GPU["sms"])
+    platform_cls.device_count = classmethod(lambda cls: GPU["count"])
     old = platforms.current_platform
     new = platform_cls()
     platforms._current_platform = new
     for module in list(sys.modules.values()):
         if getattr(module, "current_platform", None) is old:
             module.current_platform = new
+        if getattr(module, "PIN_MEMORY", None) is True:
+            module.PIN_MEMORY = False  # page-locked host memory needs the driver
     _STATE["platform"] = new
     return new
 
@@ -85,25 +89,33 @@ def set_capability(major: int, minor: int) -> None:
     _cached_get_attn_backend.cache_clear()
 
 
-def start_distributed() -> None:
+def start_distributed(vllm_config) -> None:
     """A one-process gloo group, as vLLM's worker creates before building layers (once)."""
     if _STATE.get("distributed"):
         return
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        initialize_model_parallel(1, 1)
     _STATE["distributed"] = True
 
 
 def engine_config(model: Path, **engine_args):
-    """`EngineArgs(...).create_engine_config()` for a config folder (dummy weights, no tokenizer)."""
+    """`EngineArgs(...).create_engine_config()` for a config folder (dummy weights, no tokenizer).
+
+    With tensor parallelism vLLM sizes its FlashInfer all-reduce + RMSNorm fusion by importing the fusion
+    passes, which read CUDA ops (`torch.ops._C.rotary_embedding`) at import: that fusion is turned off here.
+    """
     from vllm.engine.arg_utils import EngineArgs
 
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        engine_args.setdefault("compilation_config", {"pass_config": {"fuse_allreduce_rms": False}})
     return EngineArgs(model=str(model), load_format="dummy", skip_tokenizer_init=True, **engine_args
                       ).create_engine_config()
 
