@@ -16,9 +16,10 @@ torch = pytest.importorskip("torch")
 LAYERS = {}
 
 
-def _layer(vllm_host, models, name: str, *, backend: str, kv_cache_dtype: str = "auto", topk: int | None = None):
-    """One layer per (model, backend, cache dtype), built once: vLLM refuses a second layer of one name."""
-    key = (name, backend, kv_cache_dtype)
+def _layer(vllm_host, models, name: str, *, backend: str, kv_cache_dtype: str = "auto", topk: int | None = None,
+           tag: str = ""):
+    """One layer per (model, backend, cache dtype, tag), built once: vLLM refuses a second layer of one name."""
+    key = (name, backend, kv_cache_dtype, tag)
     if key not in LAYERS:
         config = vllm_host.engine_config(models[name], attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
                                          block_size=64 if topk else 16)
@@ -127,3 +128,40 @@ def test_sparse_forward_mqa_through_vllms_index_conversion(vllm_host, models):
     ref_out, _ = _reference(q, kv_cache, common.block_table_tensor, common.seq_lens, scale=layer.impl.scale,
                             topk=buffer[:len(seq_lens)].unsqueeze(1))
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+def test_dense_falls_back_to_vllms_triton_mla_when_our_kernel_cannot_launch(vllm_host, models, monkeypatch, caplog):
+    import logging
+
+    import vllm.v1.attention.backends.mla.triton_mla as vllm_triton_mla
+
+    import mla_tune.backends.triton_mla as triton_mla
+
+    config, layer, spec, builder = _layer(vllm_host, models, "small-dense", backend="MLA_TUNE_TRITON",
+                                          tag="fallback")
+
+    def compile_failure(*args, **kwargs):  # what a ptxas failure on an unknown GPU looks like to the caller
+        raise RuntimeError("PTXAS error: Internal Triton PTX codegen error")
+
+    monkeypatch.setattr(triton_mla, "mla_decode", compile_failure)
+    vllm_kernel_calls = []
+    vllm_kernel = vllm_triton_mla.decode_attention_fwd
+    monkeypatch.setattr(vllm_triton_mla, "decode_attention_fwd",
+                        lambda *args, **kwargs: vllm_kernel_calls.append(1) or vllm_kernel(*args, **kwargs))
+    caplog.set_level(logging.WARNING, logger="mla_tune.vllm_backends")
+    g = torch.Generator().manual_seed(3)
+    seq_lens = [21, 50]
+    common, num_blocks = vllm_host.paged_batch(seq_lens, query_len=1, block_size=16, spare_blocks=1, generator=g)
+    metadata = builder.build(0, common)
+    kv_cache = torch.randn(num_blocks, 16, 576, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(seq_lens), 5, 576, generator=g).to(torch.bfloat16)
+    ref_out, _ = _reference(q, kv_cache, common.block_table_tensor, common.seq_lens, scale=layer.impl.scale)
+    for _ in range(2):  # the second call goes straight to vLLM's kernel, without a second warning
+        out, _ = layer.impl.forward_mqa(q, kv_cache, metadata, layer)
+        assert out.shape == ref_out.shape
+        if q.is_cuda:  # vLLM's decode_attention_fwd is wrong in Triton's CPU interpreter (max error ~8e8)
+            torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    assert len(vllm_kernel_calls) == 2
+    assert layer.impl.fallback_reason == "RuntimeError: PTXAS error: Internal Triton PTX codegen error"
+    warnings = [r.getMessage() for r in caplog.records if "could not launch" in r.getMessage()]
+    assert len(warnings) == 1 and "runs vLLM's TRITON_MLA kernel from now on" in warnings[0]
