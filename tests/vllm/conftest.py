@@ -5,7 +5,6 @@ Without vLLM installed every module here is skipped at collection (`importorskip
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import vllm_host  # noqa: E402
 
 
 def _no_cuda() -> bool:
@@ -25,7 +25,7 @@ def _no_cuda() -> bool:
 # imports Triton (importing vLLM at collection does); only in vLLM's environment, where these tests run.
 # vLLM disables Triton when it sees no active GPU driver, except with an empty CUDA_VISIBLE_DEVICES (its
 # rule for workers whose devices are not visible yet): that keeps its Triton kernels real here.
-if importlib.util.find_spec("vllm") is not None and _no_cuda():
+if vllm_host.real_vllm_installed() and _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
@@ -34,7 +34,6 @@ if importlib.util.find_spec("vllm") is not None and _no_cuda():
 def vllm_host():
     """vLLM's CUDA platform made current in this process (see `vllm_host.py`), and the plugin registered."""
     os.environ["MLA_TUNE_VLLM_PLUGIN"] = "1"
-    import vllm_host
 
     vllm_host.start_cuda_platform()
     from vllm.plugins import load_general_plugins

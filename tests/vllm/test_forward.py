@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm_host  # noqa: E402
+
+vllm_host.require_vllm()
 pytestmark = pytest.mark.vllm
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402
 
 LAYERS = {}
 

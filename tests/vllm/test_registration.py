@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm_host  # noqa: E402
+
+vllm_host.require_vllm()
 pytestmark = pytest.mark.vllm
 
 PROBE = """

@@ -6,7 +6,9 @@ import logging
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm_host  # noqa: E402
+
+vllm_host.require_vllm()
 pytestmark = pytest.mark.vllm
 
 
