@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import vllm_host  # noqa: E402
+import vllm_host as host  # noqa: E402
 
 
 def _no_cuda() -> bool:
@@ -25,7 +25,7 @@ def _no_cuda() -> bool:
 # imports Triton (importing vLLM at collection does); only in vLLM's environment, where these tests run.
 # vLLM disables Triton when it sees no active GPU driver, except with an empty CUDA_VISIBLE_DEVICES (its
 # rule for workers whose devices are not visible yet): that keeps its Triton kernels real here.
-if vllm_host.real_vllm_installed() and _no_cuda():
+if host.real_vllm_installed() and _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
@@ -35,11 +35,11 @@ def vllm_host():
     """vLLM's CUDA platform made current in this process (see `vllm_host.py`), and the plugin registered."""
     os.environ["MLA_TUNE_VLLM_PLUGIN"] = "1"
 
-    vllm_host.start_cuda_platform()
+    host.start_cuda_platform()
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    return vllm_host
+    return host
 
 
 @pytest.fixture
