@@ -96,9 +96,3 @@ class DeclaredCapabilities:
 def torch_dtypes(caps: VllmBackendCapabilities) -> list[torch.dtype]:
     """The model dtypes of `caps` as torch dtypes (vLLM's `supported_dtypes`)."""
     return [_TORCH_DTYPES[name] for name in caps.model_dtypes]
-
-
-def kv_scale_of(layer) -> torch.Tensor:
-    """vLLM's per-tensor `k_scale` of `layer` as the 0-d float32 tensor the kernel reads (a view, no copy)."""
-    scale = layer._k_scale
-    return scale.reshape(()) if scale.numel() == 1 else scale

@@ -24,7 +24,8 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Multip
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl, TritonMLAMetadataBuilder
 
 from mla_tune.vllm_backends.capabilities import DENSE
-from mla_tune.vllm_backends.common import DeclaredCapabilities, kv_scale_of, logger, torch_dtypes
+from mla_tune.vllm_backends.common import DeclaredCapabilities, logger, torch_dtypes
+from mla_tune.vllm_backends.launch import dense_forward
 
 
 class MlaTuneTritonMetadataBuilder(TritonMLAMetadataBuilder):
@@ -94,32 +95,10 @@ class MlaTuneTritonImpl(TritonMLAImpl):
 
     def _forward_ours(self, q, kv_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
                       layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        from mla_tune.backends.triton_mla import mla_decode
-
         decode = attn_metadata.decode
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)  # (ql_nope, q_pe) -> [tokens, heads, 576], as vLLM's TRITON_MLA does
-        tokens, num_heads, width = q.shape
-        block_table, seq_lens = decode.block_table, decode.seq_lens
-        num_decodes = seq_lens.shape[0]
-        query_len, remainder = divmod(tokens, num_decodes) if num_decodes else (1, 0)
-        if remainder:
-            raise ValueError(f"non-uniform decode block: {tokens} query rows over {num_decodes} requests")
-        # Only the block-table columns that the longest request uses (a view): the kernel sizes its splits
-        # from the table's capacity, and vLLM's table is as wide as max_model_len.
-        pages = -(-int(attn_metadata.max_seq_len) // kv_cache.shape[1])
-        if 0 < pages < block_table.shape[1]:
-            block_table = block_table[:, :pages]
-        if query_len > DENSE.max_decode_query_len:
-            # One decode row per query token, each seeing the prefix plus the block tokens up to itself.
-            block_table = block_table.repeat_interleave(query_len, dim=0)
-            offsets = torch.arange(1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
-            seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
-            num_decodes, query_len = tokens, 1
-        kv_scale = kv_scale_of(layer) if kv_cache.dtype == torch.float8_e4m3fn else None
-        out, lse = mla_decode(q.view(num_decodes, query_len, num_heads, width), kv_cache, block_table, seq_lens,
-                              sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, kv_scale=kv_scale)
-        return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)
+        return dense_forward(q, kv_cache, decode.block_table, decode.seq_lens, max_seq_len=attn_metadata.max_seq_len,
+                             scale=self.scale, kv_lora_rank=self.kv_lora_rank,
+                             k_scale=layer._k_scale if kv_cache.dtype == torch.float8_e4m3fn else None)
 
 
 def q_capturing(q) -> bool:

@@ -22,12 +22,13 @@ from vllm.config.cache import CacheDType
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl, SparseMLACommonMetadata, SparseMLACommonMetadataBuilder)
 from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, AttentionLayer, MultipleOf
-from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows, flat_kv_row_view
+from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows
 from vllm.v1.attention.ops.metadata import compute_token_to_req_indices
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from mla_tune.vllm_backends.capabilities import SPARSE
 from mla_tune.vllm_backends.common import DeclaredCapabilities, torch_dtypes
+from mla_tune.vllm_backends.launch import IdentityPages, sparse_forward
 
 
 @dataclass
@@ -92,34 +93,10 @@ class MlaTuneTritonSparseImpl(SparseMLACommonImpl[MlaTuneTritonSparseMetadata]):
                                       f"{SPARSE.refused_kv_cache_dtypes.get(self.kv_cache_dtype, '')}")
         assert self.topk_indices_buffer is not None, "sparse MLA needs the indexer's top-k buffer"
         self.supports_quant_query_input = False
-        self._identity: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def _identity_table(self, num_pages: int, page_rows: int, tokens: int,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The page table `[tokens, num_pages]` (arange, one row shared with stride 0) and `[tokens]` lengths,
-        allocated once per cache size for the largest batch the top-k buffer holds."""
-        max_tokens = self.topk_indices_buffer.shape[0]
-        if self._identity is None or self._identity[0] != num_pages * page_rows:
-            table = torch.arange(num_pages, dtype=torch.int32, device=device)
-            lengths = torch.full((max_tokens,), num_pages * page_rows, dtype=torch.int32, device=device)
-            self._identity = (num_pages * page_rows, table, lengths)
-        _, table, lengths = self._identity
-        return table.expand(tokens, num_pages), lengths[:tokens]
+        self._identity = IdentityPages(self.topk_indices_buffer.shape[0])
 
     def _forward_mqa_kernel(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                             topk_indices: torch.Tensor, valid_counts: torch.Tensor, *, layer: AttentionLayer,
                             block_size: int, is_decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        from mla_tune.backends.triton_mla import mla_decode
-
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)  # (ql_nope, q_pe) -> [tokens, heads, 576]
-        tokens, num_heads, width = q.shape
-        if kv_cache.stride(0) == block_size * kv_cache.shape[-1]:
-            pages = kv_cache  # contiguous blocks: global row // block_size is the block
-        else:
-            rows, _ = flat_kv_row_view(kv_cache, block_size)  # blocks spaced apart: one row per page
-            pages = rows.unsqueeze(1)
-        table, lengths = self._identity_table(pages.shape[0], pages.shape[1], tokens, q.device)
-        out, lse = mla_decode(q.view(tokens, 1, num_heads, width), pages, table, lengths, sm_scale=self.scale,
-                              kv_lora_rank=self.kv_lora_rank, topk_indices=topk_indices[:tokens].unsqueeze(1))
-        return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)
+        return sparse_forward(q, kv_cache, topk_indices, block_size=block_size, scale=self.scale,
+                              identity=self._identity, kv_lora_rank=self.kv_lora_rank)
