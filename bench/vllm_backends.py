@@ -10,8 +10,10 @@ multiple of 64, sparse fp8_ds_mla `flash_mla_with_kvcache` with indices, heads p
 arrives concatenated (vLLM's concat, and its FP8 query quantization, happen before forward_mqa on both sides).
 
 Every output is checked against the float32 reference before anything is timed; times are CUDA-graph replays over
-L2-rotated input copies, interleaved (`mla_tune.tuner.timing`). One line per case: the two medians, their ratio
-(FlashMLA / ours: above 1, ours is faster) and both errors.
+L2-rotated input copies, interleaved (`mla_tune.tuner.timing`). One line per case: the medians, the ratios
+(FlashMLA / ours: above 1, ours is faster) and the errors. Dense cases time ours twice: `ours` planned for the
+batch's longest request (an eager step), `ours_cg` planned for max_model_len, which is how vLLM captures its full
+CUDA graphs (our split plan is fixed at capture; FlashMLA re-plans from the lengths every step).
 
 vLLM cannot be installed on the lent GPU (torch 2.11); its Python files and FlashMLA extensions can be loaded
 (REFERENCE.md section 6):
@@ -114,14 +116,19 @@ def reference(case: Case, x: dict, scale: float) -> torch.Tensor:
     return out
 
 
-def ours(case: Case, x: dict, scale: float):
-    """A callable running our forward_mqa launch on `x` (no allocation beyond what forward_mqa allocates)."""
+def ours(case: Case, x: dict, scale: float, *, max_seq_len: int | None = None):
+    """A callable running our forward_mqa launch on `x` (no allocation beyond what forward_mqa allocates).
+
+    `max_seq_len`: what vLLM's metadata says; None = the batch's longest request (an eager step). vLLM captures
+    its full CUDA graphs with max_model_len, and the captured launch keeps the split plan made for it.
+    """
     from mla_tune.vllm_backends.launch import IdentityPages, dense_forward, sparse_forward
 
     if case.sparse:
         identity = IdentityPages(case.batch)
         return lambda: sparse_forward(x["q"], x["kv"], x["rows"], block_size=BLOCK, scale=scale, identity=identity)[0]
-    return lambda: dense_forward(x["q"], x["kv"], x["block_table"], x["seq_lens"], max_seq_len=max(x["lengths"]),
+    longest = max_seq_len or max(x["lengths"])
+    return lambda: dense_forward(x["q"], x["kv"], x["block_table"], x["seq_lens"], max_seq_len=longest,
                                  scale=scale, k_scale=x["k_scale"])[0]
 
 
@@ -194,15 +201,31 @@ def ours_sparse_fp8_reason() -> str:
     return "ours: fp8_ds_mla is not read by our sparse kernel (MLA_TUNE_TRITON_SPARSE refuses it)"
 
 
+def rotation_sets(case: Case, x: dict) -> list[dict]:
+    """`x` and copies of its query and cache, enough that one pass over them reads several times the L2."""
+    from mla_tune.tuner.timing import l2_rotation_copies
+
+    element = x["kv"].element_size()
+    read = (case.batch * min(TOPK, case.kv_len) if case.sparse else sum(x["lengths"])) * 576 * element
+    free, _ = torch.cuda.mem_get_info()
+    copies = l2_rotation_copies(read, free_bytes=free // 2, bytes_per_copy=x["kv"].numel() * element)
+    return [x] + [dict(x, q=x["q"].clone(), kv=x["kv"].clone()) for _ in range(copies - 1)]
+
+
 def run_case(case: Case, device, *, timed: bool) -> str:
     scale = 1.0 / math.sqrt(192)
     x = make_inputs(case, device)
     ref = reference(case, x, scale)
-    tol = TOLERANCE["fp8" if case.fp8 else "bf16"]
-    steps, notes, errors = {}, [], {}
-    candidates = {"ours": ours(case, x, scale) if case.kind != "sparse-fp8" else ours_sparse_fp8_reason(),
-                  "flashmla": flashmla(case, x, scale) if device.type == "cuda" else "FlashMLA needs CUDA"}
-    for name, step in candidates.items():
+    tol = TOLERANCE["fp8" if case.fp8 else "bf16"] * max(1.0, ref.abs().max().item())
+    factories = {"ours": (lambda xi: ours(case, xi, scale)) if case.kind != "sparse-fp8"
+                 else (lambda xi: ours_sparse_fp8_reason()),
+                 "flashmla": (lambda xi: flashmla(case, xi, scale)) if device.type == "cuda"
+                 else (lambda xi: "FlashMLA needs CUDA")}
+    if not case.sparse:  # as vLLM's full CUDA graph replays it: planned for max_model_len
+        factories["ours_cg"] = lambda xi: ours(case, xi, scale, max_seq_len=MAX_MODEL_LEN)
+    working, notes, errors = [], [], {}
+    for name, factory in factories.items():
+        step = factory(x)
         if isinstance(step, str):
             notes.append(step)
             continue
@@ -212,20 +235,28 @@ def run_case(case: Case, device, *, timed: bool) -> str:
             notes.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             continue
         errors[name] = err
-        if not err <= tol * max(1.0, ref.abs().max().item()):
-            notes.append(f"{name} WRONG: max error {err:.3g} > {tol}")
+        if not err <= tol:
+            notes.append(f"{name} WRONG: max error {err:.3g} > {tol:.3g}")
             continue
-        steps[name] = step
+        working.append(name)
     line = case.label()
-    if timed and steps:
+    if timed and working:
         from mla_tune.tuner.timing import capture_graph, time_interleaved
 
-        graphs = {name: capture_graph(step) for name, step in steps.items()}
+        sets = rotation_sets(case, x)
+        graphs = {}
+        for name in working:
+            per_set = [factories[name](xi) for xi in sets]
+            graphs[name] = capture_graph(lambda per_set=per_set: [step() for step in per_set],
+                                         iterations_per_replay=len(sets))
         timings = time_interleaved(graphs, rel_ci_target=0.01, max_seconds=3.0)
-        for name in ("ours", "flashmla"):
-            line += f"  {name} {timings[name].median_ms * 1e3:8.1f} us" if name in timings else f"  {name} {'-':>8}   "
-        if len(timings) == 2:
-            line += f"  flashmla/ours {timings['flashmla'].median_ms / timings['ours'].median_ms:5.2f}"
+        for name in ("ours", "ours_cg", "flashmla"):
+            if name in timings:
+                line += f"  {name} {timings[name].median_ms * 1e3:8.1f} us"
+        for name in ("ours", "ours_cg"):
+            if name in timings and "flashmla" in timings:
+                line += f"  flashmla/{name} {timings['flashmla'].median_ms / timings[name].median_ms:5.2f}"
+        line += f"  sets {len(sets)}"
     line += "  err " + " ".join(f"{name} {err:.2g}" for name, err in errors.items())
     return line + ("  | " + "; ".join(notes) if notes else "")
 
