@@ -45,10 +45,6 @@ class DeclaredCapabilities:
     capabilities: ClassVar[VllmBackendCapabilities]
 
     @classmethod
-    def get_name(cls) -> str:
-        return cls.capabilities.name
-
-    @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return [cls.capabilities.head_size]
 
