@@ -230,7 +230,12 @@ def apply_tuned_backend(engine_args) -> str | None:
         logger.warning("mla-tune: the tuned backend %s cannot run this model (%s); vLLM chooses",
                        picked.engine_backend, "; ".join(refused))
         return None
-    engine_args.attention_backend = _as_vllm_enum(picked.engine_backend)
+    backend = _as_vllm_enum(picked.engine_backend)
+    if isinstance(backend, str) and picked.engine_backend.startswith("MLA_TUNE_"):
+        logger.warning("mla-tune: the tuned backend %s is not registered in this vLLM; vLLM chooses",
+                       picked.engine_backend)
+        return None
+    engine_args.attention_backend = backend
     logger.info("mla-tune: attention backend %s for %d heads, kv %s (%s)",
                 picked.engine_backend, num_heads, kv_cache_dtype, picked.reason)
     return picked.engine_backend
@@ -253,7 +258,7 @@ def _as_vllm_enum(name: str):
         try:
             enum_cls = getattr(importlib.import_module(module), "AttentionBackendEnum")
             return enum_cls[name]
-        except (ImportError, AttributeError, KeyError):
+        except (ImportError, AttributeError, KeyError, ValueError):  # vLLM raises ValueError for unknown names
             continue
     return name
 
