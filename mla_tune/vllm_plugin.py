@@ -71,9 +71,15 @@ class PluginStatus:
     reasons: tuple[str, ...]
 
 
-def plugin_status() -> PluginStatus:
+def plugin_status(*, check_opt_in: bool = True) -> PluginStatus:
     """Whether this environment's vLLM will load the plugin and can serve our backends (cheap: no torch, no vLLM
-    import; reads package metadata and the environment)."""
+    import; reads package metadata and the environment).
+
+    Args:
+        check_opt_in: whether this process's `MLA_TUNE_VLLM_PLUGIN` and `VLLM_PLUGINS` count; False for a
+            caller (such as `lookup --format vllm`) whose shell is not the engine's: then `enabled` still
+            reports them, but `can_serve` and `reasons` do not depend on them.
+    """
     from importlib import metadata
 
     reasons = []
@@ -91,13 +97,15 @@ def plugin_status() -> PluginStatus:
         reasons.append(f"the entry point {PLUGIN_NAME} = {__name__}:register is not installed here "
                        f"(found {sorted(ours) or 'none'}); install mla-tune into vLLM's environment")
     installed = not reasons
-    opted_in = is_enabled = enabled()
-    if not opted_in:
-        reasons.append(f"{ENABLE_ENV} is {os.environ.get(ENABLE_ENV)!r}, not 1: the plugin is inert")
+    opt_in_reasons = []
+    if not enabled():
+        opt_in_reasons.append(f"{ENABLE_ENV} is {os.environ.get(ENABLE_ENV)!r}, not 1: the plugin is inert")
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
-        is_enabled = False
-        reasons.append(f"VLLM_PLUGINS={allowed!r} does not list {PLUGIN_NAME}, so vLLM does not load it")
+        opt_in_reasons.append(f"VLLM_PLUGINS={allowed!r} does not list {PLUGIN_NAME}, so vLLM does not load it")
+    is_enabled = not opt_in_reasons
+    if check_opt_in:
+        reasons.extend(opt_in_reasons)
     if vllm_version is not None and _version_tuple(vllm_version) < MIN_VLLM:
         reasons.append(f"vLLM {vllm_version} is older than {'.'.join(map(str, MIN_VLLM))}, which registers "
                        "attention backends by name")

@@ -177,6 +177,9 @@ def test_plugin_status_names_the_missing_opt_in(monkeypatch):
     status = plugin_status()
     assert not status.enabled and not status.can_serve
     assert "MLA_TUNE_VLLM_PLUGIN is None, not 1: the plugin is inert" in status.reasons
+    # A shell that is not the engine's (lookup --format vllm): the opt-in is reported, not held against it.
+    status = plugin_status(check_opt_in=False)
+    assert not status.enabled and not any("MLA_TUNE_VLLM_PLUGIN" in r for r in status.reasons)
 
 
 def test_plugin_status_imports_neither_torch_nor_vllm():

@@ -64,3 +64,6 @@ def test_plugin_status_in_vllms_environment(monkeypatch):
     status = plugin_status()
     assert not status.can_serve and not status.enabled
     assert status.reasons == ("VLLM_PLUGINS='someone_else' does not list mla_tune, so vLLM does not load it",)
+    monkeypatch.delenv("MLA_TUNE_VLLM_PLUGIN")
+    status = plugin_status(check_opt_in=False)   # as lookup --format vllm asks from an operator's shell
+    assert status.can_serve and not status.enabled and status.reasons == ()
