@@ -6,18 +6,27 @@ the process does any work, and calls it with no arguments; `VLLM_PLUGINS`, when
 set, lists the plugin names allowed to load.
 
 What `register` does, when vLLM is importable and `MLA_TUNE_VLLM_PLUGIN=1`:
-it wraps `EngineArgs.create_engine_config` once per process. When the engine
-config is built for an MLA model and the user chose no backend (no
-`--attention-backend`, no `attention_config.backend`, no
-`VLLM_ATTENTION_BACKEND`), it looks the model's key up in the table
-(`mla_tune.lookup`, database from `MLA_TUNE_DB`) and, when the answer was
-tuned and vLLM has that backend, sets `EngineArgs.attention_backend`. A
-fallback answer changes nothing: it is vLLM's own static choice.
+
+1. It registers our Triton MLA kernels as vLLM attention backends
+   (`register_backend`, names in `mla_tune.vllm_backends.BACKENDS`:
+   MLA_TUNE_TRITON, dense; MLA_TUNE_TRITON_SPARSE, DeepSeek-V3.2), so
+   `--attention-backend MLA_TUNE_TRITON` works in every process that loaded it.
+2. It wraps `EngineArgs.create_engine_config` once per process. When the
+   engine config is built for an MLA model and the user chose no backend (no
+   `--attention-backend`, no `attention_config.backend`, no
+   `VLLM_ATTENTION_BACKEND`), it looks the model's key up in the table
+   (`mla_tune.lookup`, database from `MLA_TUNE_DB`) and, when the answer was
+   tuned and vLLM has that backend, sets `EngineArgs.attention_backend`. A
+   fallback answer changes nothing: it is vLLM's own static choice.
+3. When the backend chosen (by the user or the table) is one of ours and our
+   declared capabilities refuse the model (head size, dtype, KV-cache dtype,
+   block size, heads per rank, compute capability), it logs one warning with
+   the reasons and clears the choice, so vLLM's normal selection takes over.
 
 It is inert without vLLM or without `MLA_TUNE_VLLM_PLUGIN=1`, and it never
 raises into vLLM: every problem is logged as one warning and the engine
-starts with its own choice. It has been tested against a minimal fake host
-that follows the plugin contract, not inside a real vLLM.
+starts with its own choice. `plugin_status()` says, without importing torch or
+vLLM, whether the plugin can serve our backends in this environment.
 """
 
 from __future__ import annotations
@@ -25,9 +34,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
+from dataclasses import dataclass
 
 logger = logging.getLogger("mla_tune.vllm_plugin")
 
+PLUGIN_NAME = "mla_tune"
+MIN_VLLM = (0, 33)
 ENABLE_ENV = "MLA_TUNE_VLLM_PLUGIN"
 DEVICE_ENV = "MLA_TUNE_VLLM_DEVICE"   # "NAME;MAJOR.MINOR": skip the NVML probe
 _WRAPPED = "_mla_tune_wrapped"
@@ -38,6 +51,76 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+@dataclass(frozen=True)
+class PluginStatus:
+    """Whether vLLM in this environment will load the plugin and can run our backends.
+
+    Attributes:
+        installed: vLLM and our `vllm.general_plugins` entry point are both installed here.
+        enabled: the operator opted in (`MLA_TUNE_VLLM_PLUGIN=1`) and `VLLM_PLUGINS` does not exclude us.
+        can_serve: installed, enabled, a vLLM with `register_backend` by name (0.33 or newer) and the
+            kernels' packages (torch, triton): vLLM can then run MLA_TUNE_TRITON and MLA_TUNE_TRITON_SPARSE.
+        vllm_version: the installed vLLM's version, or None.
+        reasons: why not, one sentence each (empty when `can_serve`).
+    """
+
+    installed: bool
+    enabled: bool
+    can_serve: bool
+    vllm_version: str | None
+    reasons: tuple[str, ...]
+
+
+def plugin_status(*, check_opt_in: bool = True) -> PluginStatus:
+    """Whether this environment's vLLM will load the plugin and can serve our backends (cheap: no torch, no vLLM
+    import; reads package metadata and the environment).
+
+    Args:
+        check_opt_in: whether this process's `MLA_TUNE_VLLM_PLUGIN` and `VLLM_PLUGINS` count; False for a
+            caller (such as `lookup --format vllm`) whose shell is not the engine's: then `enabled` still
+            reports them, but `can_serve` and `reasons` do not depend on them.
+    """
+    from importlib import metadata
+
+    reasons = []
+    try:
+        vllm_version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        vllm_version = None
+        reasons.append("vLLM is not installed in this environment (no 'vllm' distribution)")
+    try:
+        ours = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    except Exception as exc:  # broken metadata of some other distribution
+        ours = {}
+        reasons.append(f"the vllm.general_plugins entry points could not be read ({type(exc).__name__}: {exc})")
+    if ours.get(PLUGIN_NAME) != f"{__name__}:register":
+        reasons.append(f"the entry point {PLUGIN_NAME} = {__name__}:register is not installed here "
+                       f"(found {sorted(ours) or 'none'}); install mla-tune into vLLM's environment")
+    installed = not reasons
+    opt_in_reasons = []
+    if not enabled():
+        opt_in_reasons.append(f"{ENABLE_ENV} is {os.environ.get(ENABLE_ENV)!r}, not 1: the plugin is inert")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
+        opt_in_reasons.append(f"VLLM_PLUGINS={allowed!r} does not list {PLUGIN_NAME}, so vLLM does not load it")
+    is_enabled = not opt_in_reasons
+    if check_opt_in:
+        reasons.extend(opt_in_reasons)
+    if vllm_version is not None and _version_tuple(vllm_version) < MIN_VLLM:
+        reasons.append(f"vLLM {vllm_version} is older than {'.'.join(map(str, MIN_VLLM))}, which registers "
+                       "attention backends by name")
+    for package in ("torch", "triton"):
+        if importlib.util.find_spec(package) is None:
+            reasons.append(f"{package} is not installed, and our kernels need it")
+    return PluginStatus(installed=installed, enabled=is_enabled, can_serve=not reasons, vllm_version=vllm_version,
+                        reasons=tuple(reasons))
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point; never raises."""
     try:
@@ -46,12 +129,32 @@ def register() -> None:
         logger.warning("mla-tune plugin disabled: %s: %s", type(exc).__name__, exc)
 
 
+def register_backends() -> list[str]:
+    """Register MLA_TUNE_TRITON and MLA_TUNE_TRITON_SPARSE with vLLM (once per process); return the names
+    registered now. Raises what vLLM raises (`register` logs it)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from mla_tune.vllm_backends import BACKENDS
+
+    added = []
+    for name, caps in BACKENDS.items():
+        if name in AttentionBackendEnum.__members__:
+            continue  # this process registered it already (vLLM loads plugins more than once)
+        register_backend(name, caps.class_path)
+        added.append(name)
+    return added
+
+
 def _register() -> None:
     if not enabled():
         logger.debug("mla-tune plugin inert: %s is not set to 1", ENABLE_ENV)
         return
     if importlib.util.find_spec("vllm") is None:
         return
+    try:
+        register_backends()
+    except Exception as exc:  # an older vLLM: the table's choice still applies to vLLM's own backends
+        logger.warning("mla-tune could not register its attention backends: %s: %s", type(exc).__name__, exc)
     from vllm.engine import arg_utils
 
     engine_args_cls = arg_utils.EngineArgs
@@ -61,6 +164,7 @@ def _register() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         try:
+            refuse_unfit_choice(self)
             apply_tuned_backend(self)
         except Exception as exc:
             logger.warning("mla-tune could not choose the MLA backend, vLLM chooses: %s: %s",
@@ -129,7 +233,17 @@ def apply_tuned_backend(engine_args) -> str | None:
     if picked.engine_backend is None:
         logger.info("mla-tune: %s", picked.reason)
         return None
-    engine_args.attention_backend = _as_vllm_enum(picked.engine_backend)
+    refused = our_refusals(picked.engine_backend, engine_args, model_config)
+    if refused:
+        logger.warning("mla-tune: the tuned backend %s cannot run this model (%s); vLLM chooses",
+                       picked.engine_backend, "; ".join(refused))
+        return None
+    backend = _as_vllm_enum(picked.engine_backend)
+    if isinstance(backend, str) and picked.engine_backend.startswith("MLA_TUNE_"):
+        logger.warning("mla-tune: the tuned backend %s is not registered in this vLLM; vLLM chooses",
+                       picked.engine_backend)
+        return None
+    engine_args.attention_backend = backend
     logger.info("mla-tune: attention backend %s for %d heads, kv %s (%s)",
                 picked.engine_backend, num_heads, kv_cache_dtype, picked.reason)
     return picked.engine_backend
@@ -152,6 +266,68 @@ def _as_vllm_enum(name: str):
         try:
             enum_cls = getattr(importlib.import_module(module), "AttentionBackendEnum")
             return enum_cls[name]
-        except (ImportError, AttributeError, KeyError):
+        except (ImportError, AttributeError, KeyError, ValueError):  # vLLM raises ValueError for unknown names
             continue
     return name
+
+
+def our_refusals(name: str, engine_args, model_config=None) -> list[str]:
+    """Why our backend `name` cannot run the model of `engine_args` (empty: it can, or `name` is not ours)."""
+    from mla_tune.vllm_backends.capabilities import BACKENDS, refusal_reasons
+
+    caps = BACKENDS.get(name)
+    if caps is None:
+        return []
+    model_config = model_config or engine_args.create_model_config()
+    if not getattr(model_config, "use_mla", False):
+        return [f"{name} runs MLA models only; {getattr(model_config, 'model', 'this model')} is not one"]
+    hf = model_config.hf_text_config
+    tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
+    kv_cache_dtype = str(getattr(engine_args, "kv_cache_dtype", "auto") or "auto")
+    block_size = getattr(engine_args, "block_size", None)
+    device = _device_override()
+    if device is None:
+        device = _local_device()
+    return refusal_reasons(
+        caps, head_size=int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim), kv_lora_rank=int(hf.kv_lora_rank),
+        model_dtype=str(model_config.dtype), kv_cache_dtype=kv_cache_dtype,
+        block_size=int(block_size) if block_size else None, sparse=getattr(hf, "index_topk", None) is not None,
+        capability=device["compute_capability"] if device else None,
+        num_heads=int(hf.num_attention_heads) // tp)
+
+
+def _local_device() -> dict | None:
+    """This machine's GPU through NVML, or None when there is none (the selector checks it later)."""
+    try:
+        from mla_tune.tuner.probe import local_device
+
+        found = local_device()
+        return {"name": found.name, "compute_capability": tuple(found.compute_capability)}
+    except Exception:
+        return None
+
+
+def refuse_unfit_choice(engine_args) -> str | None:
+    """Clear the user's choice of one of our backends when it cannot run this model; return what was cleared.
+
+    vLLM validates a chosen backend and refuses to start when it is invalid; for our backends the plugin
+    checks first and lets vLLM's normal selection take over, with one warning that gives the reasons.
+    """
+    chosen = user_choice(engine_args)
+    if chosen is None or not chosen.startswith("MLA_TUNE_"):
+        return None
+    refused = our_refusals(chosen, engine_args)
+    if not refused:
+        return None
+    logger.warning("mla-tune: %s cannot run this model (%s); vLLM chooses the attention backend",
+                   chosen, "; ".join(refused))
+    if getattr(engine_args, "attention_backend", None) is not None:
+        engine_args.attention_backend = None
+    config = getattr(engine_args, "attention_config", None)
+    if isinstance(config, dict):
+        config.pop("backend", None)
+    elif config is not None and getattr(config, "backend", None) is not None:
+        config.backend = None
+    if os.environ.get("VLLM_ATTENTION_BACKEND", "").startswith("MLA_TUNE_"):
+        os.environ.pop("VLLM_ATTENTION_BACKEND")
+    return chosen

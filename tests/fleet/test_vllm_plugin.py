@@ -136,3 +136,54 @@ def test_the_entry_point_is_declared_for_vllm():
 
     found = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert found.get("mla_tune") == "mla_tune.vllm_plugin:register"
+
+
+@pytest.mark.parametrize("chosen, model, kept", [
+    ("MLA_TUNE_TRITON", "deepseek-ai/DeepSeek-V3", True),
+    ("MLA_TUNE_TRITON_SPARSE", "deepseek-ai/DeepSeek-V3.2", True),
+    ("MLA_TUNE_TRITON_SPARSE", "deepseek-ai/DeepSeek-V3", False),
+    ("MLA_TUNE_TRITON", "deepseek-ai/DeepSeek-V3.2", False),
+])
+def test_our_backend_is_kept_only_where_it_can_run(tuned_db, chosen, model, kept):
+    out, log = run_host({"model": model, "attention_backend": chosen}, env=_enabled(tuned_db))
+    if kept:
+        assert out["backend"] == chosen and "cannot run this model" not in log
+    else:
+        assert out["backend"] is None   # vLLM's normal selection
+        assert log.count("cannot run this model") == 1 and "vLLM chooses the attention backend" in log
+
+
+def test_fp8_on_an_ampere_gpu_is_handed_back_with_the_reason(tuned_db):
+    env = _enabled(tuned_db, MLA_TUNE_VLLM_DEVICE="NVIDIA A100-SXM4-80GB;8.0")
+    out, log = run_host({**DEEPSEEK_TP8_FP8, "attention_backend": "MLA_TUNE_TRITON"}, env=env)
+    assert out["backend"] is None
+    assert "reads an FP8 cache from compute capability 8.9 (native e4m3); this GPU has 8.0" in log
+
+
+def test_plugin_status_without_vllm_says_why(monkeypatch):
+    from mla_tune.vllm_plugin import plugin_status
+
+    monkeypatch.setenv("MLA_TUNE_VLLM_PLUGIN", "1")
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    status = plugin_status()
+    assert not status.can_serve and not status.installed and status.vllm_version is None
+    assert status.reasons[0] == "vLLM is not installed in this environment (no 'vllm' distribution)"
+
+
+def test_plugin_status_names_the_missing_opt_in(monkeypatch):
+    from mla_tune.vllm_plugin import plugin_status
+
+    monkeypatch.delenv("MLA_TUNE_VLLM_PLUGIN", raising=False)
+    status = plugin_status()
+    assert not status.enabled and not status.can_serve
+    assert "MLA_TUNE_VLLM_PLUGIN is None, not 1: the plugin is inert" in status.reasons
+    # A shell that is not the engine's (lookup --format vllm): the opt-in is reported, not held against it.
+    status = plugin_status(check_opt_in=False)
+    assert not status.enabled and not any("MLA_TUNE_VLLM_PLUGIN" in r for r in status.reasons)
+
+
+def test_plugin_status_imports_neither_torch_nor_vllm():
+    code = ("import sys, mla_tune.vllm_plugin as p; p.plugin_status(); "
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,302 @@
+"""Our vLLM backends' launch (`mla_tune.vllm_backends.launch`) against vLLM 0.33's FlashMLA, side by side.
+
+Both sides get vLLM's layouts: a `[num_blocks, 64, 576]` cache (bf16, or e4m3 with a per-tensor `k_scale`), a
+randomly permuted block table as wide as vLLM's (max_model_len / 64 columns), int32 sequence lengths; sparse
+tokens get 2048 top-k positions turned into global cache rows as vLLM's index conversion does. Our side runs
+the exact functions our `forward_mqa` / `_forward_mqa_kernel` call; FlashMLA is called as vLLM's
+`FlashMLAImpl.forward_mqa` and `FlashMLASparseImpl` call it (dense bf16 `flash_mla_with_kvcache`, dense FP8
+`fwd_kvcache_mla_fp8` with an e4m3 query and descales, sparse bf16 `flash_mla_sparse_fwd` with heads padded to a
+multiple of 64, sparse fp8_ds_mla `flash_mla_with_kvcache` with indices, heads padded to 64 or 128; our side of
+sparse fp8_ds_mla is the first `ds_mla` kernel, which our vLLM backend does not offer yet). The query
+arrives concatenated (vLLM's concat, and its FP8 query quantization, happen before forward_mqa on both sides).
+
+Every output is checked against the float32 reference before anything is timed; times are CUDA-graph replays over
+L2-rotated input copies, interleaved (`mla_tune.tuner.timing`). One line per case: the medians, the ratios
+(FlashMLA / ours: above 1, ours is faster) and the errors. Dense cases time ours twice: `ours` planned for the
+batch's longest request (an eager step), `ours_cg` planned for max_model_len, which is how vLLM captures its full
+CUDA graphs (our split plan is fixed at capture; FlashMLA re-plans from the lengths every step).
+
+vLLM cannot be installed on the lent GPU (torch 2.11); its Python files and FlashMLA extensions can be loaded
+(REFERENCE.md section 6):
+
+    ../shared/tools/vllm-kernels --py vllm/third_party --py vllm/__init__.py   # .vllm/*.tar.xz (on the dev machine)
+    mkdir -p .vsite && tar -xJf .vllm/vllm-0.33.0-kernels.tar.xz -C .vsite
+    PYTHONPATH=$PWD/.vsite python3 bench/vllm_backends.py --grid quick --out $OUT/vllm_backends.txt
+
+Without CUDA it runs our side only, at toy sizes, in Triton's interpreter (TRITON_INTERPRET=1), as a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64                 # FlashMLA's page size; vLLM's default MLA block size on Hopper
+MAX_MODEL_LEN = 163840     # DeepSeek-V3's: the width of vLLM's block table
+TOPK = 2048
+GRIDS = {
+    # (kind, heads, batch, kv_len)
+    "quick": [(k, h, b, n) for k in ("dense-bf16", "dense-fp8") for h in (16, 128) for b in (1, 16, 128)
+              for n in (1024, 8192, 32768)]
+             + [(k, h, b, 32768) for k in ("sparse-bf16", "sparse-fp8") for h in (16, 32, 64, 128)
+                for b in (1, 16, 128)],
+    "full": [(k, h, b, n) for k in ("dense-bf16", "dense-fp8") for h in (16, 32, 64, 128) for b in (1, 4, 16, 64, 128)
+             for n in (1024, 4096, 16384, 32768)]
+            + [(k, h, b, 32768) for k in ("sparse-bf16", "sparse-fp8") for h in (16, 32, 64, 128)
+               for b in (1, 4, 16, 64, 128)],
+    "cpu": [("dense-bf16", 5, 3, 100), ("dense-fp8", 3, 2, 130), ("sparse-bf16", 3, 2, 300),
+            ("sparse-fp8", 3, 2, 300)],
+}
+TOLERANCE = {"bf16": 2e-2, "fp8": 1e-1}   # max abs error over the reference's largest |value| (at least 1)
+
+
+@dataclass
+class Case:
+    kind: str
+    heads: int
+    batch: int
+    kv_len: int
+
+    @property
+    def sparse(self) -> bool:
+        return self.kind.startswith("sparse")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kind.endswith("fp8")
+
+    def label(self) -> str:
+        return f"{self.kind:<11} h{self.heads:<3} b{self.batch:<3} kv{self.kv_len:<6}"
+
+
+def make_inputs(case: Case, device, seed: int = 0) -> dict:
+    """vLLM-layout inputs: cache, permuted block table, lengths, query, and for sparse the top-k rows."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    topk = min(TOPK, case.kv_len) if case.sparse else 0
+    # Ragged lengths: one request at kv_len, the others up to 1/8 shorter (a sparse one keeps >= top-k tokens).
+    shorter = torch.randint(1, max(2, case.kv_len // 8), (case.batch,), generator=g).tolist()
+    lengths = [case.kv_len] + [max(topk, case.kv_len - cut) for cut in shorter[1:]]
+    needed = [-(-n // BLOCK) for n in lengths]
+    num_blocks = sum(needed) + 4
+    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.zeros(case.batch, MAX_MODEL_LEN // BLOCK, dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(needed):
+        table[row, :count] = order[start:start + count]
+        start += count
+    kv = torch.randn(num_blocks, BLOCK, 576, generator=g) * (2.0 if case.fp8 else 1.0)
+    q = torch.randn(case.batch, case.heads, 576, generator=g).to(torch.bfloat16)
+    out = {"q": q.to(device), "block_table": table.to(device), "lengths": lengths,
+           "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device), "k_scale": None}
+    if case.fp8:
+        out["kv"] = kv.to(torch.float8_e4m3fn).to(device)
+        out["k_scale"] = torch.tensor([0.5], dtype=torch.float32, device=device)   # vLLM's layer._k_scale
+    else:
+        out["kv"] = kv.to(torch.bfloat16).to(device)
+    if case.sparse:
+        logical = torch.stack([torch.randperm(n, generator=g)[:topk] for n in lengths]).to(torch.int32)
+        blocks = table.long().gather(1, (logical // BLOCK).long())
+        out["logical"] = logical.to(device)
+        out["rows"] = (blocks * BLOCK + logical % BLOCK).to(torch.int32).to(device)
+        out["valid"] = torch.full((case.batch,), topk, dtype=torch.int32, device=device)
+    return out
+
+
+def reference(case: Case, x: dict, scale: float) -> torch.Tensor:
+    from mla_tune.backends.reference import mla_reference
+
+    k_scale = float(x["k_scale"]) if x["k_scale"] is not None else None
+    topk = x["logical"].unsqueeze(1) if case.sparse else None
+    out, _ = mla_reference(x["q"], x["kv"], x["block_table"], x["seq_lens"], sm_scale=scale, kv_scale=k_scale,
+                           topk_indices=topk)
+    return out
+
+
+def ours(case: Case, x: dict, scale: float, *, max_seq_len: int | None = None):
+    """A callable running our forward_mqa launch on `x` (no allocation beyond what forward_mqa allocates).
+
+    `max_seq_len`: what vLLM's metadata says; None = the batch's longest request (an eager step). vLLM captures
+    its full CUDA graphs with max_model_len, and the captured launch keeps the split plan made for it.
+    """
+    from mla_tune.vllm_backends.launch import IdentityPages, dense_forward, sparse_forward
+
+    if case.sparse:
+        identity = IdentityPages(case.batch)
+        return lambda: sparse_forward(x["q"], x["kv"], x["rows"], block_size=BLOCK, scale=scale, identity=identity)[0]
+    longest = max_seq_len or max(x["lengths"])
+    return lambda: dense_forward(x["q"], x["kv"], x["block_table"], x["seq_lens"], max_seq_len=longest,
+                                 scale=scale, k_scale=x["k_scale"])[0]
+
+
+def pack_fp8_ds_mla(kv_fp8: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """vLLM's fp8_ds_mla bytes `[blocks, 64, 656]` holding the same values as a per-tensor e4m3 cache."""
+    blocks = kv_fp8.shape[0]
+    packed = torch.empty(blocks, BLOCK, 656, dtype=torch.uint8, device=kv_fp8.device)
+    packed[..., :512] = kv_fp8[..., :512].view(torch.uint8)
+    scales = torch.full((4,), k_scale, dtype=torch.float32, device=kv_fp8.device)
+    packed[..., 512:528] = scales.view(torch.uint8).expand(blocks, BLOCK, 16)
+    packed[..., 528:] = (kv_fp8[..., 512:].float() * k_scale).to(torch.bfloat16).view(torch.uint8)
+    return packed
+
+
+def flashmla(case: Case, x: dict, scale: float):
+    """A callable running vLLM's FlashMLA the way vLLM's FlashMLA backends call it, or a reason it cannot."""
+    try:
+        from vllm.third_party.flashmla import flash_mla_interface as fmi
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"vLLM's FlashMLA is not loadable here ({type(exc).__name__}: {exc})"
+    q, kv, heads = x["q"], x["kv"], case.heads
+    if case.kind == "dense-bf16":
+        sched, _ = fmi.get_mla_metadata()
+        return lambda: fmi.flash_mla_with_kvcache(
+            q=q.unsqueeze(1), k_cache=kv.unsqueeze(-2), block_table=x["block_table"], cache_seqlens=x["seq_lens"],
+            head_dim_v=512, tile_scheduler_metadata=sched, softmax_scale=scale, causal=True,
+            is_fp8_kvcache=False)[0].squeeze(1)
+    if case.kind == "dense-fp8":
+        try:
+            import vllm._flashmla_extension_C  # noqa: F401 - registers torch.ops._flashmla_extension_C
+        except Exception as exc:  # noqa: BLE001
+            return f"vLLM's dense FP8 FlashMLA is not loadable here ({type(exc).__name__}: {exc})"
+        ext = torch.ops._flashmla_extension_C
+        tile_md, splits = ext.get_mla_decoding_metadata_dense_fp8(x["seq_lens"], heads, 1)
+        q_fp8 = q.unsqueeze(1).to(torch.float8_e4m3fn)     # vLLM's static query quantization, q_scale 1
+        descale_q = torch.ones(1, dtype=torch.float32, device=q.device)
+        return lambda: ext.fwd_kvcache_mla_fp8(q_fp8, kv.unsqueeze(-2), 512, x["seq_lens"], x["block_table"], scale,
+                                               True, tile_md, splits, descale_q, x["k_scale"])[0].squeeze(1)
+    if case.kind == "sparse-bf16":
+        padded = -(-heads // 64) * 64                        # vLLM's prefill_padding for the bf16 kernel
+        rows = kv.view(-1, 1, 576)
+        indices = x["rows"].view(case.batch, 1, -1)
+
+        def run():
+            q_pad = q.new_empty(case.batch, padded, 576)   # vLLM allocates and copies per call
+            q_pad[:, :heads] = q
+            return fmi.flash_mla_sparse_fwd(q_pad, rows, indices, scale, topk_length=x["valid"])[0][:, :heads]
+        return run
+    # sparse-fp8: vLLM's fp8_ds_mla cache and its FP8 sparse decode (heads padded to 64 or 128).
+    packed = pack_fp8_ds_mla(kv, float(x["k_scale"]))
+    padded = 64 if heads <= 64 else 128
+    mixed = heads < 32                                        # vLLM runs such a batch as one sequence of tokens
+    lead = (1, case.batch) if mixed else (case.batch, 1)
+    q_pad = torch.zeros(*lead, padded, 576, dtype=q.dtype, device=q.device)
+    indices = x["rows"].view(*lead, -1)
+    cache_lens = torch.full((lead[0],), max(x["lengths"]), dtype=torch.int32, device=q.device)
+    dummy_table = torch.zeros(lead[0], 1, dtype=torch.int32, device=q.device)
+    sched, _ = fmi.get_mla_metadata()
+
+    def run():
+        q_pad[..., :heads, :].copy_(q.view(*lead, heads, 576))
+        out = fmi.flash_mla_with_kvcache(q=q_pad, k_cache=packed.view(-1, BLOCK, 1, 656), block_table=dummy_table,
+                                         head_dim_v=512, cache_seqlens=cache_lens, tile_scheduler_metadata=sched,
+                                         is_fp8_kvcache=True, indices=indices, softmax_scale=scale)[0]
+        return out.reshape(case.batch, padded, 512)[:, :heads]
+    return run
+
+
+def ours_ds_mla(case: Case, x: dict, scale: float):
+    """Our first fp8_ds_mla kernel (`backends/triton_mla/ds_mla.py`, not offered by the vLLM backend yet) on the
+    same packed cache FlashMLA reads."""
+    from mla_tune.backends.triton_mla.ds_mla import ds_mla_sparse_decode
+
+    packed = pack_fp8_ds_mla(x["kv"], float(x["k_scale"]))
+    return lambda: ds_mla_sparse_decode(x["q"], packed, x["rows"], sm_scale=scale)[0]
+
+
+def rotation_sets(case: Case, x: dict) -> list[dict]:
+    """`x` and copies of its query and cache, enough that one pass over them reads several times the L2."""
+    from mla_tune.tuner.timing import l2_rotation_copies
+
+    element = x["kv"].element_size()
+    read = (case.batch * min(TOPK, case.kv_len) if case.sparse else sum(x["lengths"])) * 576 * element
+    free, _ = torch.cuda.mem_get_info()
+    copies = l2_rotation_copies(read, free_bytes=free // 2, bytes_per_copy=x["kv"].numel() * element)
+    return [x] + [dict(x, q=x["q"].clone(), kv=x["kv"].clone()) for _ in range(copies - 1)]
+
+
+def run_case(case: Case, device, *, timed: bool) -> str:
+    scale = 1.0 / math.sqrt(192)
+    x = make_inputs(case, device)
+    ref = reference(case, x, scale)
+    tol = TOLERANCE["fp8" if case.fp8 else "bf16"] * max(1.0, ref.abs().max().item())
+    factories = {"ours": (lambda xi: ours(case, xi, scale)) if case.kind != "sparse-fp8"
+                 else (lambda xi: ours_ds_mla(case, xi, scale)),
+                 "flashmla": (lambda xi: flashmla(case, xi, scale)) if device.type == "cuda"
+                 else (lambda xi: "FlashMLA needs CUDA")}
+    if not case.sparse:  # as vLLM's full CUDA graph replays it: planned for max_model_len
+        factories["ours_cg"] = lambda xi: ours(case, xi, scale, max_seq_len=MAX_MODEL_LEN)
+    working, notes, errors = [], [], {}
+    for name, factory in factories.items():
+        step = factory(x)
+        if isinstance(step, str):
+            notes.append(step)
+            continue
+        try:
+            err = (step().float() - ref).abs().max().item()
+        except Exception as exc:  # noqa: BLE001 - a failure is data
+            notes.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        errors[name] = err
+        if not err <= tol:
+            notes.append(f"{name} WRONG: max error {err:.3g} > {tol:.3g}")
+            continue
+        working.append(name)
+    line = case.label()
+    if timed and working:
+        from mla_tune.tuner.timing import capture_graph, time_interleaved
+
+        sets = rotation_sets(case, x)
+        graphs = {}
+        for name in working:
+            per_set = [factories[name](xi) for xi in sets]
+            graphs[name] = capture_graph(lambda per_set=per_set: [step() for step in per_set],
+                                         iterations_per_replay=len(sets))
+        timings = time_interleaved(graphs, rel_ci_target=0.01, max_seconds=3.0)
+        for name in ("ours", "ours_cg", "flashmla"):
+            if name in timings:
+                line += f"  {name} {timings[name].median_ms * 1e3:8.1f} us"
+        for name in ("ours", "ours_cg"):
+            if name in timings and "flashmla" in timings:
+                line += f"  flashmla/{name} {timings['flashmla'].median_ms / timings[name].median_ms:5.2f}"
+        line += f"  sets {len(sets)}"
+    line += "  err " + " ".join(f"{name} {err:.2g}" for name, err in errors.items())
+    return line + ("  | " + "; ".join(notes) if notes else "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default: quick on CUDA, cpu otherwise")
+    ap.add_argument("--kinds", default="", help="comma-separated subset of dense-bf16,dense-fp8,sparse-bf16,sparse-fp8")
+    ap.add_argument("--out", default=None, help="also write the lines to this file")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = torch.device("cuda" if cuda else "cpu")
+    grid = GRIDS[args.grid or ("quick" if cuda else "cpu")]
+    kinds = set(filter(None, args.kinds.split(",")))
+    lines = []
+    if cuda:
+        import triton
+
+        lines.append(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    for kind, heads, batch, kv_len in grid:
+        if kinds and kind not in kinds:
+            continue
+        started = time.perf_counter()
+        line = run_case(Case(kind, heads, batch, kv_len), device, timed=cuda)
+        lines.append(f"{line}  ({time.perf_counter() - started:.0f} s)")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+    return 1 if any("WRONG" in line or "failed" in line for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The launches behind our vLLM backends' `forward_mqa`, free of vLLM imports.
+
+`dense.MlaTuneTritonImpl` and `sparse.MlaTuneTritonSparseImpl` call these with
+vLLM's tensors; `bench/vllm_backends.py` and the GPU tests call them with the
+same layouts where vLLM itself cannot be imported (the lent GPU machines).
+Only views are taken of vLLM's cache, block table and sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_DECODE_QUERY_LEN = 4  # query tokens per request our kernel runs in one launch
+
+
+def dense_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, *, max_seq_len: int, scale: float,
+                  kv_lora_rank: int = 512, k_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode over vLLM's paged cache, as `MLACommonImpl.forward_mqa` is called.
+
+    Args:
+        q: `[tokens, heads, 576]`, or vLLM's `(ql_nope [tokens, heads, 512], q_pe [tokens, heads, 64])`;
+            tokens = requests x query_len (uniform).
+        kv_cache: `[num_blocks, block_size, 576]` bf16/fp16, or float8_e4m3fn (vLLM's fp8 view).
+        block_table: int32 `[requests, max_blocks]` (vLLM's, as wide as max_model_len allows).
+        seq_lens: int32 `[requests]`, including the query tokens.
+        max_seq_len: the longest request (vLLM's `attn_metadata.max_seq_len`, a host int).
+        k_scale: vLLM's per-tensor `layer._k_scale` (one value) for an FP8 cache.
+
+    Returns:
+        `out` `[tokens, heads, 512]` in q's dtype and `lse` float32 `[tokens, heads]` (natural log).
+    """
+    from mla_tune.backends.triton_mla import mla_decode
+
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)  # (ql_nope, q_pe) -> [tokens, heads, 576], as vLLM's TRITON_MLA does
+    tokens, num_heads, width = q.shape
+    requests = seq_lens.shape[0]
+    query_len, remainder = divmod(tokens, requests) if requests else (1, 0)
+    if remainder:
+        raise ValueError(f"non-uniform decode block: {tokens} query rows over {requests} requests")
+    # Only the columns the longest request uses (a view): the kernel sizes its splits from the table's width.
+    pages = -(-int(max_seq_len) // kv_cache.shape[1])
+    if 0 < pages < block_table.shape[1]:
+        block_table = block_table[:, :pages]
+    if query_len > MAX_DECODE_QUERY_LEN:
+        # One row per query token, each seeing the prefix plus the block tokens up to itself (vLLM's TRITON_MLA).
+        block_table = block_table.repeat_interleave(query_len, dim=0)
+        offsets = torch.arange(1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
+        seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
+        requests, query_len = tokens, 1
+    kv_scale = None
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        kv_scale = k_scale.reshape(()) if k_scale is not None else 1.0
+    out, lse = mla_decode(q.view(requests, query_len, num_heads, width), kv_cache, block_table, seq_lens,
+                          sm_scale=scale, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale)
+    return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)
+
+
+class IdentityPages:
+    """The page table `[tokens, num_pages]` (one arange row read with stride 0) and `[tokens]` lengths that let
+    our kernel read global cache rows; allocated once per cache size for up to `max_tokens` tokens."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._rows = -1
+        self._table: torch.Tensor | None = None
+        self._lengths: torch.Tensor | None = None
+
+    def get(self, num_pages: int, page_rows: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows != num_pages * page_rows or self._table.device != torch.device(device) \
+                or tokens > self.max_tokens:
+            self.max_tokens = max(self.max_tokens, tokens)
+            self._table = torch.arange(num_pages, dtype=torch.int32, device=device)
+            self._lengths = torch.full((self.max_tokens,), num_pages * page_rows, dtype=torch.int32, device=device)
+            self._rows = num_pages * page_rows
+        return self._table.expand(tokens, num_pages), self._lengths[:tokens]
+
+
+def sparse_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                   topk_rows: torch.Tensor, *, block_size: int, scale: float, identity: IdentityPages,
+                   kv_lora_rank: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k MLA over vLLM's paged cache, as `SparseMLACommonImpl._forward_mqa_kernel` is called.
+
+    Args:
+        q: `[tokens, heads, 576]` or `(ql_nope, q_pe)`; every token is one kernel row.
+        kv_cache: bf16 `[num_blocks, block_size, 576]` (blocks may be spaced further apart than block_size rows).
+        topk_rows: int32 `[tokens, topk]` global cache rows (`block x block_stride_rows + offset`, vLLM's
+            `triton_convert_req_index_to_global_index`), -1 for none.
+    """
+    from mla_tune.backends.triton_mla import mla_decode
+
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)
+    tokens, num_heads, width = q.shape
+    if kv_cache.stride(0) == block_size * kv_cache.shape[-1]:
+        pages = kv_cache  # contiguous blocks: global row // block_size is the block
+    else:  # blocks spaced apart: one row per page (vLLM's flat_kv_row_view)
+        row_stride = kv_cache.shape[-1]
+        rows = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // row_stride) + block_size
+        pages = kv_cache.as_strided((rows, 1, width), (row_stride, row_stride, 1))
+    table, lengths = identity.get(pages.shape[0], pages.shape[1], tokens, q.device)
+    out, lse = mla_decode(q.view(tokens, 1, num_heads, width), pages, table, lengths, sm_scale=scale,
+                          kv_lora_rank=kv_lora_rank, topk_indices=topk_rows[:tokens].unsqueeze(1))
+    return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)
