@@ -139,11 +139,14 @@ def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit, backend_of: dic
     """
     from mla_tune.tuner import timing
 
+    from mla_tune.backends.interface import adopt_rotation
+
     sets = timing.cold_l2_sets(inputs, free_bytes=free_bytes)
     steps = {}
     for name, runner in prepared.items():
         emit(("begin", backend_of[name], "capture"))
         try:
+            adopt_rotation(runner, sets)   # adapters reading another cache layout convert each copy, untimed
             steps[name] = timing.capture_graph(lambda runner=runner: [runner.run(s) for s in sets],
                                                iterations_per_replay=len(sets))
         except Exception as exc:  # noqa: BLE001 - a failure is data
