@@ -25,6 +25,7 @@ class Capabilities:
     fp8_needs_bf16_query: bool = False             # FP8 KV only with a bf16 query
     fp8_cc_majors: frozenset[int] | None = None    # FP8 KV only on these majors
     fp8_min_cc: tuple[int, int] | None = None      # FP8 KV only from this compute capability
+    fp8_quantizes_query: bool = False              # with FP8 KV the kernel reads q rounded to e4m3
     page_sizes: frozenset[int] | None = None
     page_size_multiple: int | None = None
     min_heads: int = 1
@@ -52,7 +53,7 @@ MODULE_LABELS = {
     "vllm._flashmla_C": "vLLM's FlashMLA extension",
     "vllm._flashmla_extension_C": "vLLM's FlashMLA FP8 extension",
     "vllm.vllm_flash_attn._vllm_fa3_C": "vLLM's FlashAttention 3 extension",
-    "vllm._C": "vLLM's CUDA ops extension",
+    "vllm._C_stable_libtorch": "vLLM's CUDA ops extension",
     "vllm.v1.attention.ops.triton_decode_attention": "vLLM's Triton MLA decode kernel",
     "vllm.third_party.flashmla.flash_mla_interface": "vLLM's FlashMLA interface",
     "vllm.vllm_flash_attn.flash_attn_interface": "vLLM's FlashAttention interface",

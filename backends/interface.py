@@ -55,7 +55,12 @@ class Prepared(Protocol):
     """A backend ready to run one problem; `run` is the only thing that is timed."""
 
     def run(self, inputs: DecodeInputs) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Launch one decode step; returns (out, lse) views of preallocated buffers."""
+        """Launch one decode step; returns (out, lse), lse None when the kernel gives none in fp32 natural log.
+
+        out and lse are views of preallocated buffers, except where an engine's op allocates its own result and
+        takes no buffer (vLLM's FlashMLA lse and FP8 dense output): inside a CUDA graph that memory comes from
+        the graph's pool.
+        """
 
 
 def adopt_rotation(prepared, sets) -> None:

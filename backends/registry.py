@@ -62,7 +62,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         "FLASHINFER_MLA",
         # FlashInfer 0.7.2 requires a bf16 `out` for trtllm-gen, hence a bf16 query.
         Capabilities(cc_majors=_SM100, query_dtypes=_BF16, kv_cache_dtypes=_WITH_FP8,
-                     page_sizes=frozenset({32, 64}),
+                     page_sizes=frozenset({32, 64}), fp8_quantizes_query=True,
                      qk_nope_head_dims=frozenset({64, 128, 192}), forbidden_heads=((65, 127),),
                      required_modules=("flashinfer",)),
         adapter="mla_tune.backends.flashinfer_blackwell:TrtllmGenMLA",
@@ -71,7 +71,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
     BackendInfo(
         "FLASHINFER_MLA_SPARSE",
         Capabilities(cc_majors=_SM100, query_dtypes=_BF16, kv_cache_dtypes=_WITH_FP8,
-                     page_size_multiple=32,
+                     page_size_multiple=32, fp8_quantizes_query=True,
                      qk_nope_head_dims=frozenset({128, 192}), dense=False, sparse=True,
                      required_modules=("flashinfer",)),
         adapter="mla_tune.backends.flashinfer_blackwell:TrtllmGenSparseMLA",
@@ -123,7 +123,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         "FLASHMLA",
         # The class says majors 9 and 10, but is_flashmla_dense_supported admits Hopper only.
         Capabilities(cc_majors=frozenset({9}), kv_cache_dtypes=_WITH_FP8, page_sizes=frozenset({64}),
-                     required_modules=(*_FLASHMLA, "vllm._flashmla_extension_C")),
+                     fp8_quantizes_query=True, required_modules=(*_FLASHMLA, "vllm._flashmla_extension_C")),
         adapter=f"{_VLLM}.flashmla:FlashMLA",
         vllm_name="FLASHMLA", sglang_name="flashmla",
         summary="vLLM's FlashMLA dense decode (FP8: FP8 query and descales, as vLLM calls it)"),
@@ -163,7 +163,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
     BackendInfo(
         "CUTLASS_MLA",
         Capabilities(cc_majors=_SM100, kv_cache_dtypes=_WITH_FP8, page_sizes=frozenset({128}),
-                     max_heads=128, required_modules=("torch", "vllm", "vllm._C")),
+                     max_heads=128, required_modules=("torch", "vllm", "vllm._C_stable_libtorch")),
         adapter=f"{_VLLM}.cutlass:CutlassMLA",
         vllm_name="CUTLASS_MLA", sglang_name="cutlass_mla", hardware=_UNTESTED_BLACKWELL,
         summary="vLLM's CUTLASS SM100 MLA op (heads padded to 128)"),

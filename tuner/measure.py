@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mla_tune.backends.problem import Problem, Shape, kv_bytes_per_element
-from mla_tune.tuner.gate import check_output
+from mla_tune.tuner.gate import check_output, quantizes_query
 
 # Fraction of free GPU memory a shape may plan to use (allocator slack, library workspaces).
 MEMORY_HEADROOM = 0.85
@@ -220,7 +220,8 @@ def measure_shape(task: ShapeTask, emit: Callable[[tuple], None], *, device: str
                 torch.cuda.synchronize(dev)
             prepare_s = time.perf_counter() - t0
             info["prepare_s"][step.name] = prepare_s
-            verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
+            verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype,
+                                   fp8_query=quantizes_query(step.backend, problem.kv_cache_dtype))
         except BackendUnavailable as exc:
             failed[step.name] = Outcome("ineligible", reason=f"rejected at prepare: {exc}")
             continue

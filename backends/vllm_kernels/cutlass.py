@@ -5,8 +5,8 @@ CutlassMLAImpl._sm100_cutlass_mla_decode calls it.
 workspace, sm_scale, num_kv_splits=-1)`: heads padded to 128 in the output, page size 128, the block
 table's width a multiple of 128 / page_size, q, q_pe and the cache of one dtype, and no q or KV scale
 (vLLM raises NotImplementedError for a scale other than 1, so an FP8 cache with kv_scale != 1 is refused).
-The workspace is sized by `ops.sm100_cutlass_mla_get_workspace_size`. The op lives in `vllm._C`, which
-only a full vLLM install has.
+The workspace is sized by `ops.sm100_cutlass_mla_get_workspace_size`. Both ops are `torch.ops._C.*`
+(what `vllm._custom_ops` calls), registered by `vllm._C_stable_libtorch`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class CutlassMLA:
         reason = cutlass_refusal(problem, inputs.kv_scale)
         if reason:
             raise BackendUnavailable(reason)
-        ops = load("vllm._custom_ops")
+        load("vllm._C_stable_libtorch")
+        ops = torch.ops._C
         batch, dev = inputs.q.shape[0], inputs.q.device
         try:
             sm_count = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -43,8 +43,13 @@ def dense_arguments(problem: Problem, inputs: DecodeInputs, *, cu_seqlens_q, sch
 
 class _Prepared:
     def __init__(self, problem: Problem, inputs: DecodeInputs, fa, kwargs: dict, *, sparse: bool):
+        import torch
+
         self.problem, self.fa, self.kwargs, self.sparse = problem, fa, kwargs, sparse
         self.rank = problem.geometry.kv_lora_rank
+        batch, q_len, heads, _ = inputs.q.shape
+        # vLLM lets FA3 allocate the output; a preallocated `out=` runs the same kernel.
+        self.out = torch.empty(batch * q_len, heads, self.rank, dtype=inputs.q.dtype, device=inputs.q.device)
 
     def run(self, inputs: DecodeInputs):
         batch, q_len, heads, width = inputs.q.shape
@@ -54,7 +59,7 @@ class _Prepared:
             kv = kv.view(-1, 1, width)                # cache rows as pages of one token
         out = self.fa.flash_attn_varlen_func(
             q=q_pe, k=kv[..., self.rank:].unsqueeze(-2), v=kv[..., :self.rank].unsqueeze(-2), q_v=q_nope,
-            **self.kwargs)
+            out=self.out, **self.kwargs)
         return out.unflatten(0, (batch, q_len)), None   # vLLM asks FA3 for no lse outside DCP
 
 

@@ -39,15 +39,20 @@ def plan_arrays(problem: Problem, inputs: DecodeInputs):
 
 class _Prepared:
     def __init__(self, problem: Problem, inputs: DecodeInputs, wrapper, scales: dict):
+        import torch
+
         self.wrapper, self.scales = wrapper, scales
         self.rank = problem.geometry.kv_lora_rank
+        batch, q_len, heads, _ = inputs.q.shape
+        # vLLM lets run() allocate the output; a preallocated `out=` runs the same kernel.
+        self.out = torch.empty(batch * q_len, heads, self.rank, dtype=inputs.q.dtype, device=inputs.q.device)
 
     def run(self, inputs: DecodeInputs):
         batch, q_len, heads, width = inputs.q.shape
         q = inputs.q.view(batch * q_len, heads, width)
         flat = inputs.kv_cache.reshape(-1, 1, width)
         out = self.wrapper.run(q[..., :self.rank], q[..., self.rank:], flat[..., :self.rank],
-                               flat[..., self.rank:], **self.scales)
+                               flat[..., self.rank:], out=self.out, **self.scales)
         return out.unflatten(0, (batch, q_len)), None   # vLLM asks for no lse
 
 

@@ -1,5 +1,9 @@
 """FLASHMLA and FLASHMLA_SPARSE: vLLM's FlashMLA build, called as vLLM 0.33.0's FlashMLAImpl and FlashMLASparseImpl do.
 
+Every call passes a preallocated `out=` (vLLM lets the op allocate; the kernel is the same) except
+dense FP8, whose op has no such argument; FlashMLA's lse is the op's own tensor (inside a CUDA graph
+both come from the graph's pool).
+
 Dense bf16/fp16: `flash_mla_with_kvcache(q, k_cache[..., None, :], block_table, seq_lens, 512,
 sched_meta, softmax_scale, causal=True)`; the tile scheduler is filled by the first call (in
 `prepare`) and reused, as vLLM reuses one `FlashMLASchedMeta` for every layer of a step.
@@ -91,6 +95,7 @@ class _PreparedDense:
                 self.seq_lens, problem.q_len * problem.num_heads, 1)
         else:
             self.sched, _ = self.fmla.get_mla_metadata()
+            self.out = torch.empty(*q.shape[:-1], HEAD_DIM_V, dtype=q.dtype, device=q.device)
 
     def run(self, inputs: DecodeInputs):
         import torch
@@ -105,7 +110,7 @@ class _PreparedDense:
             out, lse = self.fmla.flash_mla_with_kvcache(
                 q=inputs.q, k_cache=k_cache, block_table=self.block_table, cache_seqlens=self.seq_lens,
                 head_dim_v=HEAD_DIM_V, tile_scheduler_metadata=self.sched, softmax_scale=self.sm_scale,
-                causal=True, is_fp8_kvcache=False)
+                causal=True, is_fp8_kvcache=False, out=self.out)
         return out, lse.transpose(1, 2)              # lse [batch, heads, q_len] -> [batch, q_len, heads]
 
 
@@ -157,8 +162,10 @@ class _PreparedSparse:
             self.cache_lens = torch.full((rows,), int(inputs.seq_lens.max()), dtype=torch.int32, device=q.device)
             self.dummy_block_table = torch.zeros(rows, 1, dtype=torch.int32, device=q.device)
             self.sched, _ = self.fmla.get_mla_metadata()
+            self.out = torch.empty(*lead, self.padded, HEAD_DIM_V, dtype=q.dtype, device=q.device)
         else:
             self.padded = bf16_sparse_padded_heads(heads)
+            self.out = torch.empty(self.tokens, self.padded, HEAD_DIM_V, dtype=q.dtype, device=q.device)
             self.indices = slots.view(self.tokens, 1, -1)
             self.topk_length = counts.view(self.tokens).contiguous()
             self.q_pad = None if self.padded == heads else torch.zeros(
@@ -180,7 +187,7 @@ class _PreparedSparse:
                 q=self.q_pad, k_cache=packed.view(-1, SPARSE_PAGE, 1, DS_MLA_BYTES),
                 block_table=self.dummy_block_table, head_dim_v=HEAD_DIM_V, cache_seqlens=self.cache_lens,
                 tile_scheduler_metadata=self.sched, is_fp8_kvcache=True, indices=self.indices,
-                softmax_scale=self.sm_scale)
+                softmax_scale=self.sm_scale, out=self.out)
             lse = lse[:, :heads].transpose(1, 2)        # [rows, heads, seq] -> [rows, seq, heads]
             if self.mixed:                               # one row of batch x q_len tokens
                 return out[0, :, :heads].unflatten(0, (batch, q_len)), lse[0].unflatten(0, (batch, q_len))
@@ -191,7 +198,7 @@ class _PreparedSparse:
             q = self.q_pad
         kv_rows = inputs.kv_cache.view(-1, 1, width)
         out, _max_logits, _lse = self.fmla.flash_mla_sparse_fwd(
-            q, kv_rows, self.indices, self.sm_scale, topk_length=self.topk_length)
+            q, kv_rows, self.indices, self.sm_scale, topk_length=self.topk_length, out=self.out)
         # The prefill kernel's lse is not what vLLM's decode returns (it returns none): not checked here.
         return out[:, :heads].unflatten(0, (batch, q_len)), None
 
