@@ -67,7 +67,7 @@ def causal_rows(block_table, seq_lens, q_len: int):
 
 
 class _Prepared:
-    def __init__(self, problem: Problem, inputs: DecodeInputs, kernel):
+    def __init__(self, problem: Problem, inputs: DecodeInputs, kernel, *, sm_count: int):
         import torch
 
         self.kernel = kernel
@@ -76,7 +76,6 @@ class _Prepared:
         rank = problem.geometry.kv_lora_rank
         self.rows = batch * q_len
         self.block_table, self.seq_lens = causal_rows(inputs.block_table, inputs.seq_lens, q_len)
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
         self.splits = num_kv_splits(int(inputs.seq_lens.max()), sm_count)
         self.o = torch.zeros(self.rows, heads, rank, dtype=q.dtype, device=q.device)
         self.lse = torch.zeros(self.rows, heads, dtype=q.dtype, device=q.device)
@@ -109,7 +108,8 @@ class VllmTritonMLA:
         check_problem(self.name, problem, inputs, sparse=False)
         kernel = load_triton_kernel()
         try:
-            prepared = _Prepared(problem, inputs, kernel)
+            sm_count = torch.cuda.get_device_properties(inputs.q.device).multi_processor_count
+            prepared = _Prepared(problem, inputs, kernel, sm_count=sm_count)
             prepared.run(inputs)                      # compiles
             torch.cuda.synchronize(inputs.q.device)
         except (RuntimeError, ValueError, TypeError, AssertionError) as exc:

@@ -170,3 +170,40 @@ def test_vllms_own_layout_functions_describe_fp8_ds_mla_as_packed():
     from mla_tune.backends.vllm_kernels.flashmla import DS_MLA_BYTES
 
     assert DS_MLA_BYTES == 512 + 4 * 4 + FP8_DS_MLA_ROPE_DIM * 2
+
+
+_INTERPRETED = r'''
+import torch
+from mla_tune.backends.inputs import make_inputs
+from mla_tune.backends.problem import Problem, Shape
+from mla_tune.backends.reference import TorchReference
+from mla_tune.backends.vllm_kernels.triton import _Prepared, load_triton_kernel
+from mla_tune.tuner.gate import check_output
+
+# fp16: the interpreter runs this kernel's bf16 loads as garbage (1e9-sized outputs), its fp16 ones exactly.
+for heads, kv, q_len in ((16, "fp16", 1), (16, "fp8_e4m3", 2)):
+    problem = Problem(heads, kv_cache_dtype=kv, query_dtype="fp16", q_len=q_len, page_size=16)
+    inputs = make_inputs(problem, Shape(2, 150), seed=heads + q_len)
+    out, lse = _Prepared(problem, inputs, load_triton_kernel(), sm_count=2).run(inputs)
+    ref_out, ref_lse = TorchReference().prepare(problem, inputs).run(inputs)
+    verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=kv)
+    print(kv, q_len, verdict.ok, verdict.rel_error, verdict.reason)
+'''
+
+
+def test_vllms_triton_kernel_with_our_arguments_matches_the_reference_in_the_interpreter():
+    """TRITON_MLA's arguments, run through vLLM's kernel in Triton's interpreter (no GPU).
+
+    vLLM keeps Triton when no driver is active only where CUDA_VISIBLE_DEVICES is set and empty (its
+    distributed-start rule); that and TRITON_INTERPRET=1 make its kernel runnable on the CPU.
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(" True " in line for line in lines), done.stdout
