@@ -156,7 +156,10 @@ class _PreparedSparse:
             self.mixed = heads < MIN_HEADS_FOR_BF16_PREFILL
             lead = (1, self.tokens) if self.mixed else (batch, q_len)
             self.indices = slots.view(*lead, -1)
-            self.q_pad = torch.zeros(*lead, self.padded, width, dtype=q.dtype, device=q.device)
+            self.lead = lead
+            # vLLM pads with new_zeros + a copy per call, and reads q as it is at 64 or 128 heads.
+            self.q_pad = None if self.padded == heads else torch.zeros(
+                *lead, self.padded, width, dtype=q.dtype, device=q.device)
             rows = lead[0]
             # Ignored by the kernel when indices are given; vLLM passes max_model_len and a dummy table.
             self.cache_lens = torch.full((rows,), int(inputs.seq_lens.max()), dtype=torch.int32, device=q.device)
@@ -182,9 +185,12 @@ class _PreparedSparse:
             packed = self._packed.get(inputs.kv_cache.data_ptr())
             if packed is None:
                 raise not_adopted("FLASHMLA_SPARSE")
-            self.q_pad[..., :heads, :].copy_(inputs.q.view(*self.q_pad.shape[:2], heads, width))
+            q = inputs.q.view(*self.lead, heads, width)
+            if self.q_pad is not None:
+                self.q_pad[..., :heads, :].copy_(q)
+                q = self.q_pad
             out, lse = self.fmla.flash_mla_with_kvcache(
-                q=self.q_pad, k_cache=packed.view(-1, SPARSE_PAGE, 1, DS_MLA_BYTES),
+                q=q, k_cache=packed.view(-1, SPARSE_PAGE, 1, DS_MLA_BYTES),
                 block_table=self.dummy_block_table, head_dim_v=HEAD_DIM_V, cache_seqlens=self.cache_lens,
                 tile_scheduler_metadata=self.sched, is_fp8_kvcache=True, indices=self.indices,
                 softmax_scale=self.sm_scale, out=self.out)
