@@ -25,19 +25,22 @@ class Capabilities:
     fp8_needs_bf16_query: bool = False             # FP8 KV only with a bf16 query
     fp8_cc_majors: frozenset[int] | None = None    # FP8 KV only on these majors
     fp8_min_cc: tuple[int, int] | None = None      # FP8 KV only from this compute capability
+    fp8_quantizes_query: bool = False              # with FP8 KV the kernel reads q rounded to e4m3
     page_sizes: frozenset[int] | None = None
     page_size_multiple: int | None = None
     min_heads: int = 1
     max_heads: int | None = None
     forbidden_heads: tuple[tuple[int, int], ...] = ()  # inclusive ranges it cannot tile
+    head_counts: frozenset[int] | None = None      # the only head counts it runs
     dense: bool = True
     sparse: bool = False
     sparse_topks: frozenset[int] | None = None
+    sparse_topk_multiple: int | None = None        # top-k must be a multiple of this
     kv_lora_ranks: frozenset[int] | None = frozenset({512})
     qk_rope_head_dims: frozenset[int] | None = frozenset({64})
     qk_nope_head_dims: frozenset[int] | None = None
     max_q_len: int = 8
-    required_modules: tuple[str, ...] = ()         # import names that must be installed
+    required_modules: tuple[str, ...] = ()         # import names that must be installed (dotted: a file of a package)
     candidate: bool = True                         # False for the reference oracle
 
 
@@ -45,16 +48,44 @@ def _fmt(values) -> str:
     return "{" + ", ".join(str(v) for v in sorted(values)) + "}"
 
 
+# How a reason names a module that is one file of a package (the kernels vLLM builds).
+MODULE_LABELS = {
+    "vllm._flashmla_C": "vLLM's FlashMLA extension",
+    "vllm._flashmla_extension_C": "vLLM's FlashMLA FP8 extension",
+    "vllm.vllm_flash_attn._vllm_fa3_C": "vLLM's FlashAttention 3 extension",
+    "vllm._C_stable_libtorch": "vLLM's CUDA ops extension",
+    "vllm.v1.attention.ops.triton_decode_attention": "vLLM's Triton MLA decode kernel",
+    "vllm.third_party.flashmla.flash_mla_interface": "vLLM's FlashMLA interface",
+    "vllm.vllm_flash_attn.flash_attn_interface": "vLLM's FlashAttention interface",
+}
+
+
 def missing_module_reason(module: str) -> str | None:
-    """A sentence if `module` cannot be found, without importing it; None if found."""
+    """A sentence if `module` cannot be found, without importing it (nor its parents); None if found.
+
+    A dotted name is looked up file by file under its top-level package's folders, so asking for
+    `vllm._flashmla_C` runs no `vllm/__init__.py` (which imports torch).
+    """
+    from importlib.machinery import PathFinder
+
+    top, *rest = module.split(".")
     try:
-        found = importlib.util.find_spec(module) is not None
-        error = f"No module named {module!r}"
-    except (ImportError, ValueError) as exc:  # a parent package is missing or broken
-        found, error = False, str(exc)
-    if found:
-        return None
-    return f"{module.split('.')[0]} is not installed ({error})"
+        spec = importlib.util.find_spec(top)
+        error = f"No module named {top!r}"
+    except (ImportError, ValueError) as exc:  # a broken or half-installed package
+        spec, error = None, str(exc)
+    if spec is None:
+        return f"{top} is not installed ({error})"
+    name = top
+    for part in rest:
+        locations = list(spec.submodule_search_locations or ())
+        name = f"{name}.{part}"
+        spec = PathFinder.find_spec(name, locations) if locations else None
+        if spec is None:
+            label = MODULE_LABELS.get(module, f"module {module}")
+            where = ", ".join(locations) or f"{name.rsplit('.', 1)[0]} (not a package)"
+            return f"{label} {module} is missing: no {name} under {where}"
+    return None
 
 
 def eligibility_reasons(caps: Capabilities, problem: Problem, device: DeviceSpec | None,
@@ -100,6 +131,8 @@ def eligibility_reasons(caps: Capabilities, problem: Problem, device: DeviceSpec
         reasons.append(f"num_heads {heads} is below the minimum {caps.min_heads}")
     if caps.max_heads is not None and heads > caps.max_heads:
         reasons.append(f"num_heads {heads} is above the maximum {caps.max_heads}")
+    if caps.head_counts is not None and heads not in caps.head_counts:
+        reasons.append(f"num_heads {heads} not in {_fmt(caps.head_counts)}")
     for low, high in caps.forbidden_heads:
         if low <= heads <= high:
             reasons.append(f"num_heads {heads} is in {low}..{high}, which the kernel cannot tile")
@@ -110,6 +143,9 @@ def eligibility_reasons(caps: Capabilities, problem: Problem, device: DeviceSpec
     if problem.sparse and caps.sparse and caps.sparse_topks is not None \
             and problem.topk not in caps.sparse_topks:
         reasons.append(f"top-k {problem.topk} not in {_fmt(caps.sparse_topks)}")
+    if problem.sparse and caps.sparse and caps.sparse_topk_multiple is not None \
+            and problem.topk % caps.sparse_topk_multiple:
+        reasons.append(f"top-k {problem.topk} is not a multiple of {caps.sparse_topk_multiple}")
     geo = problem.geometry
     for attr, allowed in (("kv_lora_rank", caps.kv_lora_ranks),
                           ("qk_rope_head_dim", caps.qk_rope_head_dims),
@@ -119,10 +155,15 @@ def eligibility_reasons(caps: Capabilities, problem: Problem, device: DeviceSpec
     if problem.q_len > caps.max_q_len:
         reasons.append(f"q_len {problem.q_len} is above the maximum {caps.max_q_len}")
     if check_packages:
+        missing: set[str] = set()
         for module in caps.required_modules:
+            if module.split(".")[0] in missing:
+                continue   # one sentence per absent package, not one per file of it
             reason = missing_module_reason(module)
             if reason:
                 reasons.append(reason)
+                if " is not installed (" in reason:
+                    missing.add(module.split(".")[0])
     return reasons
 
 
@@ -133,10 +174,12 @@ class BackendInfo:
     name: str
     capabilities: Capabilities
     adapter: str | None = None          # "module:Class" of the runnable adapter, None if not runnable here
-    vllm_name: str | None = None        # vLLM's `--attention-backend` value, when vLLM has it
+    vllm_name: str | None = None        # vLLM's `--attention-backend` value, when vLLM runs this very kernel
+    # The name mla-tune's vLLM plugin registers for this kernel (handed to vLLM only with the plugin installed).
+    vllm_plugin_name: str | None = None
     sglang_name: str | None = None      # SGLang's `--attention-backend` value, when SGLang has it
     summary: str = ""
-    # Said whenever the engine's name is printed: where the engine's backend of that name
-    # runs other code than the one mla-tune timed.
+    # Said whenever the engine's name is printed (cli/lookup.py still reads it); empty for every entry
+    # now that each engine name is given only to the kernel the engine runs under it.
     engine_caveat: str = ""
     hardware: dict[str, str] = field(default_factory=dict)  # GPU family -> tested status

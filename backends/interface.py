@@ -7,7 +7,10 @@ decode step and nothing else: no allocation, no host synchronisation, so it
 can be captured in a CUDA graph. `run` may be given any `DecodeInputs` with
 the same metadata (block table, lengths, top-k indices) as the one given to
 `prepare`: the timing harness rotates copies of q and the KV cache through it
-to keep L2 cold.
+to keep L2 cold. An adapter that reads the cache in another layout (vLLM's
+fp8_ds_mla) also has `adopt(inputs)`: it converts one such copy, untimed, and
+`run` then reads the converted copy; `adopt_rotation` calls it on every copy
+before a graph is captured.
 
 Tensor layout (vLLM's):
     q:            `[batch, q_len, heads, kv_lora_rank + rope]`, bf16/fp16 (absorbed)
@@ -52,7 +55,21 @@ class Prepared(Protocol):
     """A backend ready to run one problem; `run` is the only thing that is timed."""
 
     def run(self, inputs: DecodeInputs) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Launch one decode step; returns (out, lse) views of preallocated buffers."""
+        """Launch one decode step; returns (out, lse), lse None when the kernel gives none in fp32 natural log.
+
+        out and lse are views of preallocated buffers, except where an engine's op allocates its own result and
+        takes no buffer (vLLM's FlashMLA lse and FP8 dense output): inside a CUDA graph that memory comes from
+        the graph's pool.
+        """
+
+
+def adopt_rotation(prepared, sets) -> None:
+    """Let `prepared` convert every rotated input set it will run on (untimed); a no-op for adapters that
+    read our layout directly (they have no `adopt`)."""
+    adopt = getattr(prepared, "adopt", None)
+    if adopt is not None:
+        for inputs in sets:
+            adopt(inputs)
 
 
 class Adapter(Protocol):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
 
 from mla_tune.backends.problem import Problem, Shape, kv_bytes_per_element
-from mla_tune.tuner.gate import check_output
+from mla_tune.tuner.gate import check_output, quantizes_query
 from mla_tune.tuner.probe import GpuSensors
 
 # Fraction of free GPU memory a shape may plan to use (allocator slack, library workspaces).
@@ -112,11 +112,14 @@ def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit, backend_of: dic
     """
     from mla_tune.tuner import timing
 
+    from mla_tune.backends.interface import adopt_rotation
+
     sets = timing.cold_l2_sets(inputs, free_bytes=free_bytes)
     steps = {}
     for name, runner in prepared.items():
         emit(("begin", backend_of[name], "capture"))
         try:
+            adopt_rotation(runner, sets)   # adapters reading another cache layout convert each copy, untimed
             steps[name] = timing.capture_graph(lambda runner=runner: [runner.run(s) for s in sets],
                                                iterations_per_replay=len(sets))
         except Exception as exc:  # noqa: BLE001 - a failure is data
@@ -240,7 +243,8 @@ class _ShapeRun:
             self._sync()
             prepare_s = time.perf_counter() - t0
             self.info["prepare_s"][step.name] = prepare_s
-            verdict = check_output(out, lse, *self.ref, kv_cache_dtype=self.problem.kv_cache_dtype)
+            verdict = check_output(out, lse, *self.ref, kv_cache_dtype=self.problem.kv_cache_dtype,
+                                   fp8_query=quantizes_query(step.backend, self.problem.kv_cache_dtype))
         except BackendUnavailable as exc:
             failed[step.name] = Outcome("ineligible", reason=f"rejected at prepare: {exc}")
             return None

@@ -62,9 +62,10 @@ def test_backend_matches_reference_and_captures(name, case):
     import torch
 
     from mla_tune.backends.inputs import clone_data, make_inputs
+    from mla_tune.backends.interface import adopt_rotation
     from mla_tune.backends.reference import TorchReference
     from mla_tune.backends.registry import load_adapter
-    from mla_tune.tuner.gate import check_output
+    from mla_tune.tuner.gate import check_output, quantizes_query
     from mla_tune.tuner.timing import capture_graph
 
     heads, kv, topk, q_len, batch, kv_len = case
@@ -75,19 +76,24 @@ def test_backend_matches_reference_and_captures(name, case):
     prepared = load_adapter(name)().prepare(problem, inputs)
     out, lse = prepared.run(inputs)
     torch.cuda.synchronize()
-    verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
+    fp8_query = quantizes_query(name, problem.kv_cache_dtype)
+    verdict = check_output(out, lse, ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype, fp8_query=fp8_query)
     assert verdict.ok, f"{name}: {verdict.reason}"
 
-    # A graph over two input copies replays to the same numbers as eager runs on each.
+    # A graph over two input copies replays to the same numbers as eager runs on each; the outputs checked are
+    # those the captured launches write (an engine's op may allocate them from the graph's pool).
     sets = clone_data(inputs, 2)
     sets[1].q.copy_(torch.randn_like(sets[1].q))
-    graph = capture_graph(lambda: [prepared.run(s) for s in sets], iterations_per_replay=2,
+    adopt_rotation(prepared, sets)
+    results = []
+    graph = capture_graph(lambda: results.append([prepared.run(s) for s in sets]), iterations_per_replay=2,
                           min_replay_ms=0)
+    out, lse = results[-1][1]
     out.zero_()
     graph()
     torch.cuda.synchronize()
     ref1_out, ref1_lse = TorchReference().prepare(problem, sets[1]).run(sets[1])
-    verdict = check_output(out, lse, ref1_out, ref1_lse, kv_cache_dtype=problem.kv_cache_dtype)
+    verdict = check_output(out, lse, ref1_out, ref1_lse, kv_cache_dtype=problem.kv_cache_dtype, fp8_query=fp8_query)
     assert verdict.ok, f"{name} after CUDA-graph replay: {verdict.reason}"
 
 
@@ -122,7 +128,7 @@ def test_reference_runs_on_gpu_like_on_cpu():
     torch.testing.assert_close(gpu_lse.cpu(), cpu_lse, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["TRITON_MLA_SPARSE", "FLASHINFER_FA3_MLA_SPARSE"])
+@pytest.mark.parametrize("name", ["MLA_TUNE_TRITON_SPARSE", "FLASHINFER_FA3_MLA_SPARSE"])
 def test_a_captured_graph_keeps_the_backend_it_replays_alive(name):
     # A caller that keeps only the graph must not leave it replaying freed buffers (cudaErrorInvalidAddressSpace).
     import gc

@@ -18,24 +18,25 @@ DEVICES = {
     "SM120": DeviceSpec("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0)),
 }
 
-# Dense DeepSeek decode, bf16 KV, 64 heads, page 64: who can run it (packages aside).
+# Dense DeepSeek decode, bf16 KV, 64 heads, page 64: who can run it (packages aside). TRITON_MLA is vLLM's
+# Triton kernel (any compute capability), MLA_TUNE_TRITON ours.
 DENSE_BF16_ELIGIBLE = {
-    "SM80": {"FLASHINFER_FA2_MLA", "TRITON_MLA", "TORCH_REFERENCE"},
-    "SM89": {"FLASHINFER_FA2_MLA", "TRITON_MLA", "TORCH_REFERENCE"},
+    "SM80": {"FLASHINFER_FA2_MLA", "TRITON_MLA", "MLA_TUNE_TRITON", "TORCH_REFERENCE"},
+    "SM89": {"FLASHINFER_FA2_MLA", "TRITON_MLA", "MLA_TUNE_TRITON", "TORCH_REFERENCE"},
     "SM90": {"FLASHINFER_FA2_MLA", "FLASHINFER_FA3_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA",
-             "TORCH_REFERENCE"},
-    "SM100": {"FLASHINFER_MLA", "FLASHINFER_FA2_MLA", "TRITON_MLA", "TORCH_REFERENCE"},
-    "SM120": {"FLASHINFER_FA2_MLA", "TRITON_MLA", "TORCH_REFERENCE"},
+             "MLA_TUNE_TRITON", "TORCH_REFERENCE"},
+    "SM100": {"FLASHINFER_MLA", "FLASHINFER_FA2_MLA", "TRITON_MLA", "MLA_TUNE_TRITON", "TORCH_REFERENCE"},
+    "SM120": {"FLASHINFER_FA2_MLA", "TRITON_MLA", "MLA_TUNE_TRITON", "TORCH_REFERENCE"},
 }
 # Sparse (top-k 2048) DeepSeek-V3.2 decode, bf16 KV, 64 heads, page 64.
 SPARSE_BF16_ELIGIBLE = {
-    "SM80": {"FLASHINFER_FA2_MLA_SPARSE", "TRITON_MLA_SPARSE", "TORCH_REFERENCE"},
-    "SM89": {"FLASHINFER_FA2_MLA_SPARSE", "TRITON_MLA_SPARSE", "TORCH_REFERENCE"},
+    "SM80": {"FLASHINFER_FA2_MLA_SPARSE", "MLA_TUNE_TRITON_SPARSE", "TORCH_REFERENCE"},
+    "SM89": {"FLASHINFER_FA2_MLA_SPARSE", "MLA_TUNE_TRITON_SPARSE", "TORCH_REFERENCE"},
     "SM90": {"FLASHINFER_FA2_MLA_SPARSE", "FLASHINFER_FA3_MLA_SPARSE", "FLASHMLA_SPARSE",
-             "FLASH_ATTN_MLA_SPARSE", "TRITON_MLA_SPARSE", "TORCH_REFERENCE"},
-    "SM100": {"FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE", "FLASHINFER_FA2_MLA_SPARSE", "TRITON_MLA_SPARSE",
-              "TORCH_REFERENCE"},
-    "SM120": {"FLASHINFER_MLA_SPARSE_SM120", "FLASHINFER_FA2_MLA_SPARSE", "TRITON_MLA_SPARSE",
+             "FLASH_ATTN_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM90", "MLA_TUNE_TRITON_SPARSE", "TORCH_REFERENCE"},
+    "SM100": {"FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE_FA4", "FLASHINFER_FA2_MLA_SPARSE",
+              "MLA_TUNE_TRITON_SPARSE", "TORCH_REFERENCE"},
+    "SM120": {"FLASHINFER_MLA_SPARSE_SM120", "FLASHINFER_FA2_MLA_SPARSE", "MLA_TUNE_TRITON_SPARSE",
               "TORCH_REFERENCE"},
 }
 
@@ -78,7 +79,7 @@ def test_fp8_kv_on_hopper_only_for_flashinfer_fa2():
 
 
 def test_triton_fp8_kv_needs_sm89_where_triton_has_e4m3():
-    for name, topk in (("TRITON_MLA", None), ("TRITON_MLA_SPARSE", 2048)):
+    for name, topk in (("MLA_TUNE_TRITON", None), ("MLA_TUNE_TRITON_SPARSE", 2048), ("TRITON_MLA", None)):
         fp8, bf16 = (Problem(num_heads=16, kv_cache_dtype=kv, topk=topk) for kv in ("fp8", "bf16"))
         assert backend_reasons(name, fp8, DEVICES["SM80"], check_packages=False) == [
             "FP8 KV cache needs compute capability 8.9 or newer, got 8.0"]
@@ -88,8 +89,10 @@ def test_triton_fp8_kv_needs_sm89_where_triton_has_e4m3():
 
 def test_fp8_kv_needs_a_bf16_query():
     problem = Problem(num_heads=64, kv_cache_dtype="fp8", query_dtype="fp16")
-    reasons = backend_reasons("TRITON_MLA", problem, DEVICES["SM90"], check_packages=False)
+    reasons = backend_reasons("MLA_TUNE_TRITON", problem, DEVICES["SM90"], check_packages=False)
     assert reasons == ["FP8 KV cache needs a bf16 query, got fp16"]
+    # vLLM's Triton kernel reads an fp16 query with an FP8 cache (its class lists both).
+    assert backend_reasons("TRITON_MLA", problem, DEVICES["SM90"], check_packages=False) == []
 
 
 def test_flashinfer_trtllm_gen_cannot_tile_65_to_127_heads():

@@ -83,7 +83,7 @@ def _interpreted_refinement(kv: str) -> dict:
     problem = Problem(num_heads=3, kv_cache_dtype=kv, page_size=16)
     shape = Shape(2, 70)
     tiles = candidate_tiles(num_heads=3, q_len=1, batch=2, max_items=70, kv_fp8=kv == "fp8_e4m3")
-    out = _results(ShapeTask(problem, shape, ("TRITON_MLA",)), bench=real_runs)["TRITON_MLA"]
+    out = _results(ShapeTask(problem, shape, ("MLA_TUNE_TRITON",)), bench=real_runs)["MLA_TUNE_TRITON"]
     inputs = make_inputs(problem, shape, device=torch.device("cpu"), seed=1)
     got, _ = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
                         kv_scale=inputs.kv_scale, tile=out.params["tile"])
