@@ -11,8 +11,6 @@ Importing this module loads no torch, triton or flashinfer.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,8 +22,6 @@ __all__ = ["ENGINES", "EngineChoice", "choice_for_engine", "choose_for_engine", 
            "vllm_plugin_missing"]
 
 _TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
-PLUGIN_GROUP = "vllm.general_plugins"
-PLUGIN_ENTRY = "mla_tune"
 
 
 def engine_backends(engine: str) -> dict[str, str]:
@@ -53,19 +49,13 @@ def engine_table_markdown() -> str:
 def vllm_plugin_missing() -> str | None:
     """Why mla-tune's vLLM plugin cannot serve our kernels in this environment, or None when it can.
 
-    It needs vLLM importable and our `vllm.general_plugins` entry point installed beside it; run this in
-    the engine's environment (its image, its virtual environment).
+    Run it in the engine's environment (its image, its virtual environment); the operator's opt-in
+    (`MLA_TUNE_VLLM_PLUGIN=1`) belongs to the engine's shell, so it is not held against this one.
     """
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed in this environment, so mla-tune's vLLM plugin cannot register our kernels"
-    try:
-        points = importlib.metadata.entry_points(group=PLUGIN_GROUP)
-    except Exception as exc:  # noqa: BLE001 - broken metadata must not break a lookup
-        return f"the installed packages' entry points cannot be read ({type(exc).__name__}: {exc})"
-    if not any(point.name == PLUGIN_ENTRY for point in points):
-        return (f"mla-tune's vLLM plugin (entry point {PLUGIN_ENTRY!r} of {PLUGIN_GROUP}) is not installed "
-                f"beside vLLM here")
-    return None
+    from mla_tune.vllm_plugin import plugin_status
+
+    status = plugin_status(check_opt_in=False)
+    return None if status.can_serve else "; ".join(status.reasons)
 
 
 @dataclass(frozen=True)

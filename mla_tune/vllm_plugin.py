@@ -229,20 +229,21 @@ def apply_tuned_backend(engine_args) -> str | None:
         logger.info("mla-tune: nothing tuned for %d heads, kv %s (%s); vLLM chooses",
                     num_heads, kv_cache_dtype, choice.why)
         return None
-    picked = choice_for_engine(choice, "vllm")
+    # Inside vLLM our backends are registered, so the fastest kernel may be ours; when this vLLM cannot take
+    # it (not registered, or our capabilities refuse the model), vLLM's own fastest timed backend is next.
+    picked = choice_for_engine(choice, "vllm", plugin_missing=None)
+    if picked.engine_backend and picked.engine_backend.startswith("MLA_TUNE_"):
+        refused = our_refusals(picked.engine_backend, engine_args, model_config)
+        if not refused and isinstance(_as_vllm_enum(picked.engine_backend), str):
+            refused = [f"{picked.engine_backend} is not registered in this vLLM"]
+        if refused:
+            logger.warning("mla-tune: the tuned backend %s cannot run here (%s); using vLLM's fastest own backend",
+                           picked.engine_backend, "; ".join(refused))
+            picked = choice_for_engine(choice, "vllm", plugin_missing="; ".join(refused))
     if picked.engine_backend is None:
         logger.info("mla-tune: %s", picked.reason)
         return None
-    refused = our_refusals(picked.engine_backend, engine_args, model_config)
-    if refused:
-        logger.warning("mla-tune: the tuned backend %s cannot run this model (%s); vLLM chooses",
-                       picked.engine_backend, "; ".join(refused))
-        return None
     backend = _as_vllm_enum(picked.engine_backend)
-    if isinstance(backend, str) and picked.engine_backend.startswith("MLA_TUNE_"):
-        logger.warning("mla-tune: the tuned backend %s is not registered in this vLLM; vLLM chooses",
-                       picked.engine_backend)
-        return None
     engine_args.attention_backend = backend
     logger.info("mla-tune: attention backend %s for %d heads, kv %s (%s)",
                 picked.engine_backend, num_heads, kv_cache_dtype, picked.reason)
