@@ -95,7 +95,10 @@ class _PreparedDense:
                 self.seq_lens, problem.q_len * problem.num_heads, 1)
         else:
             self.sched, _ = self.fmla.get_mla_metadata()
-            self.out = torch.empty(*q.shape[:-1], HEAD_DIM_V, dtype=q.dtype, device=q.device)
+            # The op's `out` must be [batch, 1 KV head, q_len x heads, 512]: with q_len > 1 it is left to the op,
+            # as vLLM leaves it (inside a CUDA graph it comes from the graph's pool).
+            self.out = torch.empty(*q.shape[:-1], HEAD_DIM_V, dtype=q.dtype, device=q.device) \
+                if problem.q_len == 1 else None
 
     def run(self, inputs: DecodeInputs):
         import torch
