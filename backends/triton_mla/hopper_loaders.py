@@ -12,6 +12,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
+# Triton 3.8 renamed `cp.async`'s builtin to async_load (3.9 removed the old name; 3.6-3.7 have only the old)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _tile_positions
 
 
@@ -32,9 +35,9 @@ def _copy_tile(dst_lat, dst_rope, row, ok, layout: gl.constexpr):
     One layout for both parts, so each thread copies the same rows of both (no layout conversion).
     """
     cols_lat = gl.arange(0, 512, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(dst_lat, row[:, None] + cols_lat[None, :], mask=ok[:, None])
+    _async_load(dst_lat, row[:, None] + cols_lat[None, :], mask=ok[:, None])
     cols_rope = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(dst_rope, 512 + row[:, None] + cols_rope[None, :], mask=ok[:, None])
+    _async_load(dst_rope, 512 + row[:, None] + cols_rope[None, :], mask=ok[:, None])
 
 
 @gluon.jit
@@ -192,7 +195,7 @@ def _stage_half(stage, half: gl.constexpr, row, ok, cols):
     half `half`, as one commit group."""
     ptrs = row[:, None] + cols[None, :]
     for c in gl.static_range(9):
-        async_copy.async_copy_global_to_shared(stage.index(half * 9 + c), ptrs + c * 64, mask=ok[:, None])
+        _async_load(stage.index(half * 9 + c), ptrs + c * 64, mask=ok[:, None])
     async_copy.commit_group()
 
 

@@ -27,6 +27,17 @@ from mla_tune.backends.triton_mla.hopper_common import (
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition
 
 LAZY_MAX_LOG2 = gl.constexpr(8.0)  # p stays below 2^8, well inside fp16/bf16 range
+# Triton 3.9 made shared_memory_descriptor._reinterpret public as reinterpret
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _reinterpret(desc, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
+    """`desc` seen as a `[rows, cols]` tile of `dtype` in `layout`, under either name Triton gives it."""
+    if _PUBLIC_REINTERPRET:
+        return desc.reinterpret(dtype, [rows, cols], layout)
+    else:
+        return desc._reinterpret(dtype, [rows, cols], layout)
 
 
 @aggregate
@@ -127,7 +138,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     p = gl.exp2(scores - m_safe[:, None])
     p = _round_pairs(p, kl.dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-    ring.k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
+    _reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, BLOCK_N, p_smem_layout).store(p)
     exch.alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(exch.p_bars.index(slot))
@@ -180,7 +191,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
         alpha = exch.alpha_smem.index(slot).load(rows_o)
         if gl.min(alpha, 0) < 1.0:  # some row's reference moved
             acc = acc * alpha[:, None]
-        acc = warpgroup_mma(ring.k_rope.index(slot)._reinterpret(kl.dtype, [ROWS, prog.BLOCK_N], p_smem_layout),
+        acc = warpgroup_mma(_reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, prog.BLOCK_N, p_smem_layout),
                             kl.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))

@@ -65,7 +65,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     import subprocess
     import tempfile
 
-    import triton.backends.nvidia
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
@@ -85,7 +85,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
     ptx = compiled.asm["ptx"]
-    ptxas = triton.backends.nvidia.__path__[0] + "/bin/ptxas"
+    ptxas = get_ptxas(90).path  # the one Triton itself uses for sm_90 (3.9: a newer one than bin/ptxas)
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(ptx)
