@@ -1,8 +1,13 @@
 """Apply validated export files to a store: all or nothing, idempotent, decisions merged across nodes.
 
 `import_files` validates every file first (nothing is written when any file
-is rejected), then plans against what the store holds and writes the plan in
-one transaction. With `check=True` it only plans and reports.
+is rejected), then plans against a snapshot of what the store holds, without
+holding the write lock (planning reads every stored measurement and can take
+seconds), and writes the plan in one short transaction. That transaction first
+takes the import lock (PostgreSQL: an advisory lock; SQLite: `BEGIN IMMEDIATE`)
+and, when anything was written since the snapshot (another import, a tune),
+plans again under the lock: two imports of one file at once store it once.
+With `check=True` it only plans, in a read-only snapshot, and reports.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from sqlalchemy import select
+from sqlalchemy import func, insert, select, text
 
 from mla_tune.store import codec, provenance
 from mla_tune.store.exchange import MAX_IMPORT_BYTES, Incoming, decode, read_export
-from mla_tune.store.models import DeviceRow, FingerprintRow, MeasurementRow, RunRow
+from mla_tune.store.models import DecisionRow, DeviceRow, FingerprintRow, MeasurementRow, RunRow
 from mla_tune.store.records import Decision, DecisionKey, Measurement
 
 DISAGREEMENT_FLOOR = 0.02   # never report node differences below 2% (clock and thermal drift)
+IMPORT_LOCK_ID = 0x6D6C7469  # "mlti": the PostgreSQL advisory lock every mla-tune import takes
 
 
 @dataclass
@@ -197,11 +203,11 @@ def apply(store, incoming: Incoming, todo: dict) -> None:
         for run_id, node, uuid, digest, sku, started in session.execute(stmt):
             run_ids[provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest,
                                        sku=sku, started_at=started)] = run_id
-        for m, run, digest, _ in todo["measurements"]:
-            session.add(MeasurementRow(run_id=run_ids.get(run) if run else None,
-                                       fingerprint_id=fp_ids.get(digest) if digest else None,
-                                       **codec.measurement_values(m)))
-        session.flush()
+        rows = [{"run_id": run_ids.get(run) if run else None,
+                 "fingerprint_id": fp_ids.get(digest) if digest else None, **codec.measurement_values(m)}
+                for m, run, digest, _ in todo["measurements"]]
+        if rows:  # one executemany: tens of thousands of rows in well under a second of write lock
+            session.execute(insert(MeasurementRow), rows)
     for decision, node in todo["decisions"]:
         store.save_decision(decision, node=node)
 
@@ -232,10 +238,32 @@ def import_documents(store, documents: list[dict], *, files: list[str], check: b
     """`import_files` for documents already read and validated by `read_export`."""
     incoming = decode(documents)
     report = ImportReport(files=files, producers=incoming.producers, check=check)
+    with store.snapshot():
+        state = None if check else _state(store)
+        todo = plan(store, incoming, report, decide=decide)
     if check:
-        plan(store, incoming, report, decide=decide)
         return report
     with store.batch():
-        todo = plan(store, incoming, report, decide=decide)
+        _lock_imports(store)
+        if _state(store) != state:  # written meanwhile: plan again, now that nobody else can import
+            report = ImportReport(files=files, producers=incoming.producers)
+            todo = plan(store, incoming, report, decide=decide)
         apply(store, incoming, todo)
     return report
+
+
+def _lock_imports(store) -> None:
+    """Serialise imports until the caller's transaction ends (SQLite's BEGIN IMMEDIATE already does)."""
+    with store._write() as session:
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": IMPORT_LOCK_ID})
+
+
+def _state(store) -> tuple:
+    """Row counts and largest ids of every table, and the newest decision update: changes whenever anything
+    an import plans against is written."""
+    with store._reading() as session:
+        state = [tuple(session.execute(select(func.count(), func.max(model.id))).one())
+                 for model in (DeviceRow, FingerprintRow, RunRow, MeasurementRow, DecisionRow)]
+        state.append(session.scalar(select(func.max(DecisionRow.updated_at))))
+    return tuple(state)
