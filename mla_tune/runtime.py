@@ -308,11 +308,14 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
         current = current_fingerprint(driver_version=info.driver_version)
         stale = []
         for decision in decisions:
-            problems = compatibility_problems(decision.fingerprint, current)
-            if decision.winner not in BACKENDS:
-                problems.append(f"its winner {decision.winner!r} is not a backend this mla-tune knows")
-            if not problems:
-                return _tuned_choice(decision, key, problem, spec, vllm_choice)
+            try:
+                problems = compatibility_problems(decision.fingerprint, current)
+                if decision.winner not in BACKENDS:
+                    problems.append(f"its winner {decision.winner!r} is not a backend this mla-tune knows")
+                if not problems:
+                    return _tuned_choice(decision, key, problem, spec, vllm_choice)
+            except Exception as exc:  # noqa: BLE001 - a stored value no check foresaw must not stop an engine
+                problems = [f"its stored values cannot be used ({type(exc).__name__}: {' '.join(str(exc).split())})"]
             stale.append("; ".join(problems))
         why = (f"the tuned decision for {key.label} was measured with other software "
                f"({stale[0]}); re-run `mla-tune` to tune again")

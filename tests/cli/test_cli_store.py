@@ -51,7 +51,8 @@ def test_unusable_store_is_one_line_and_exit_1(cli, tmp_path, files_under, comma
     before = files_under(tmp_path)
     result = cli("--db", f"sqlite:///{path}", *command)
     assert result.exit_code == 1, result.output
-    assert result.stdout == ""
+    # --json asked for JSON on stdout: a failure is a JSON error object there, and one line on stderr
+    assert result.stdout == "" if "--json" not in command else json.loads(result.stdout)["exit_status"] == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mla-tune: error: ") and "Traceback" not in result.stderr
     assert str(path) in lines[0] or "ffff_newer" in lines[0]
