@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
 from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinner
-from mla_tune.store.sqlite_file import CorruptValueError
+from mla_tune.store.sqlite_file import CorruptValueError, Unparsed
 
 KEY_FIELDS = ("sku", "compute_capability", "query_dtype", "kv_cache_dtype", "num_heads",
               "geometry", "page_size", "topk", "q_len")
@@ -39,6 +39,8 @@ def clean_text(value: Any) -> Any:
 
 def _json(value: Any, column: str = "a JSON column") -> Any:
     """JSON columns come back parsed (SQLAlchemy, psycopg) or as text (raw sqlite3)."""
+    if isinstance(value, Unparsed):
+        raise CorruptValueError(f"{column} holds {_shown(str(value))}, which is not JSON")
     if not isinstance(value, (str, bytes)):
         return value
     try:

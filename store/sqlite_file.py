@@ -36,6 +36,10 @@ class CorruptValueError(ValueError):
     """A stored row holds a value of the wrong kind (`codec` raises it; the store reports it as a StoreError)."""
 
 
+class Unparsed(str):
+    """The raw text of a JSON column that does not parse (see `models.StoredJSON`)."""
+
+
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
