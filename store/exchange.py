@@ -369,19 +369,31 @@ def _check_references(content: dict) -> None:
 
 
 def read_export(path: str | os.PathLike, *, max_bytes: int = MAX_IMPORT_BYTES) -> dict:
-    """Read and validate one export file; ExchangeError (one line) when it is not acceptable."""
+    """Read and validate one export file; ExchangeError (one line) when it is not acceptable.
+
+    The file is read in 1 MiB chunks and refused as soon as it passes `max_bytes` (a pipe's size is not
+    known beforehand); memory is the file's bytes, then what parsing costs (see `structure_problem`).
+    """
     source = str(path)
     try:
         size = os.stat(path).st_size
         if size > max_bytes:
             raise ExchangeError(f"{source}: is {size} bytes, more than the import limit of {max_bytes} bytes")
+        chunks, total = [], 0
         with open(path, "rb") as handle:
-            data = handle.read(max_bytes + 1)
+            while chunk := handle.read(1 << 20):
+                total += len(chunk)
+                if total > max_bytes:
+                    raise ExchangeError(f"{source}: is more than the import limit of {max_bytes} bytes")
+                chunks.append(chunk)
+        data = b"".join(chunks)
+        del chunks
+        return parse_document(data, source=source)
     except OSError as exc:
         raise ExchangeError(f"{source}: cannot be read: {exc.strerror or exc}") from None
-    if len(data) > max_bytes:
-        raise ExchangeError(f"{source}: is more than the import limit of {max_bytes} bytes")
-    return parse_document(data, source=source)
+    except MemoryError:
+        raise ExchangeError(f"{source}: could not be read and checked in the memory available; split the "
+                            f"export, or import it on a machine with more memory") from None
 
 
 # -- decoding into records --------------------------------------------------------------------
