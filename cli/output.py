@@ -69,19 +69,40 @@ def console():
 
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]):
-    """Print a rich table with `columns` and `rows` of text (shown literally: no markup, controls escaped).
+    """Print `rows` under `columns` (shown literally: no markup, controls escaped) within the console width.
 
-    Cells wrap between words; a single word wider than its column is folded.
+    Cells wrap between words. When even the longest word of every column cannot fit side by side, each
+    row is printed as a block of `column: value` lines instead, wrapped between words, so that no name is
+    ever cut in two.
     """
     from rich.table import Table
     from rich.text import Text
 
+    cells = [[safe(cell) for cell in row] for row in rows]
+    heads = [safe(column) for column in columns]
+    out = console()
+    longest = [max([len(word) for row in [heads, *cells] for word in (row[i].split() or [""])]) for i in range(len(heads))]
+    if sum(longest) + 3 * len(heads) + 1 > out.width:
+        _blocks(out, title, heads, cells)
+        return
     t = Table(title=None if title is None else Text(safe(title)), title_justify="left", show_lines=False)
-    for column in columns:
-        t.add_column(Text(safe(column)), overflow="fold")
-    for row in rows:
-        t.add_row(*[Text(safe(cell)) for cell in row])
-    console().print(t)
+    for head, width in zip(heads, longest):
+        t.add_column(Text(head), overflow="fold", min_width=width)
+    for row in cells:
+        t.add_row(*[Text(cell) for cell in row])
+    out.print(t)
+
+
+def _blocks(out, title: str | None, heads: list[str], cells: list[list[str]]) -> None:
+    import textwrap
+
+    width = max(out.width, 20)
+    lines = [] if title is None else textwrap.wrap(safe(title), width, break_on_hyphens=False)
+    for row in cells:
+        lines.append("")
+        for head, cell in zip(heads, row):
+            lines += textwrap.wrap(f"{head}: {cell}", width, subsequent_indent="    ", break_on_hyphens=False) or [""]
+    click.echo("\n".join(lines))
 
 
 def print_json(value) -> None:
