@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (JSON, Boolean, Double, ForeignKey, Index, Integer, MetaData, String, Text,
-                        UniqueConstraint)
+                        UniqueConstraint, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -111,6 +111,12 @@ class RunRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="running")
     started_at: Mapped[str] = mapped_column(String(40))
     finished_at: Mapped[str | None] = mapped_column(String(40))
+
+    @declared_attr.directive
+    def __table_args__(cls):
+        # A run's natural key (what `provenance.run_key` compares across stores) is unique (0003).
+        return (Index("uq_runs_natural_key", "node", "sku", "started_at", "fingerprint_id",
+                      text("coalesce(device_id, 0)"), unique=True),)
 
 
 class KeyColumns:
