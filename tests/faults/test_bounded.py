@@ -8,7 +8,7 @@ import time
 from contextlib import closing
 
 import pytest
-from conftest import filled_store, one_error_line, run_cli
+from conftest import export_file, filled_store, one_error_line, run_cli
 
 import mla_tune
 
@@ -24,7 +24,9 @@ def test_lookup_and_every_command_refuse_a_fifo_at_once(tmp_path):
     assert choice.source == "fallback" and "FIFO" in choice.why
     assert time.monotonic() - started < 2
     export = tmp_path / "x.json"
+    good = export_file(filled_store(f"sqlite:///{tmp_path / 'source.db'}"), tmp_path / "good.json")
     for args, code in ((("show",), 1), (("export", "--out", export), 1), (("db", "upgrade"), 1),
+                       (("import", good), 1), (("import", "--check", good), 1),
                        (("lookup", "--heads", 16, "--kv-cache-dtype", "bf16", "--device-name", DEVICE["name"],
                          "--cc", "9.0"), 0)):
         result = run_cli("--db", url, *args, timeout_s=20)   # a hang is a TimeoutExpired
@@ -32,7 +34,7 @@ def test_lookup_and_every_command_refuse_a_fifo_at_once(tmp_path):
             assert "is a FIFO (named pipe), not an SQLite database file" in one_error_line(result, code)
         else:
             assert result.returncode == 0 and "FIFO" in result.stderr
-    assert sorted(os.listdir(tmp_path)) == ["f.db"]
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith(("f.db", "x.json"))) == ["f.db"]
 
 
 @pytest.mark.postgres
