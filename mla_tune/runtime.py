@@ -235,8 +235,12 @@ def _warn_once(message: str) -> None:
             return
         _WARNED.add(message)
     import logging  # only when there is something to say: it costs milliseconds at engine startup
+    import re
 
-    logging.getLogger("mla_tune").warning("mla-tune lookup: %s; using vLLM's static choice", message)
+    # Store text may hold control characters (an ANSI sequence in a node name): logs often reach a terminal.
+    shown = re.sub("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", lambda m: f"\\x{ord(m.group()):02x}"
+                   if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", message)
+    logging.getLogger("mla_tune").warning("mla-tune lookup: %s; using vLLM's static choice", shown)
 
 
 def _sku_matches(stored_sku: str, device: DeviceInfo) -> bool:

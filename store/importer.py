@@ -179,7 +179,7 @@ def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | 
     report.decisions_saved = len(to_save)
     report.devices, report.fingerprints = len(incoming.devices), len(incoming.fingerprints)
     return {"runs": [(k, incoming.runs[k]) for k in new_runs], "measurements": new_measurements,
-            "decisions": to_save}
+            "decisions": to_save, "groups": groups}
 
 
 def apply(store, incoming: Incoming, todo: dict) -> None:
@@ -245,7 +245,7 @@ def import_documents(store, documents: list[dict], *, files: list[str], check: b
         return report
     with store.batch():
         _lock_imports(store)
-        if _state(store) != state:  # written meanwhile: plan again, now that nobody else can import
+        if not _plan_holds(store, state, todo):  # written meanwhile where it matters: plan again, locked
             report = ImportReport(files=files, producers=incoming.producers)
             todo = plan(store, incoming, report, decide=decide)
         apply(store, incoming, todo)
@@ -259,11 +259,49 @@ def _lock_imports(store) -> None:
             session.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": IMPORT_LOCK_ID})
 
 
-def _state(store) -> tuple:
-    """Row counts and largest ids of every table, and the newest decision update: changes whenever anything
-    an import plans against is written."""
+_TRACKED = (RunRow, MeasurementRow, DecisionRow)
+
+
+def _state(store) -> dict:
+    """Row count and largest id of the tables a plan depends on, and the newest decision update."""
     with store._reading() as session:
-        state = [tuple(session.execute(select(func.count(), func.max(model.id))).one())
-                 for model in (DeviceRow, FingerprintRow, RunRow, MeasurementRow, DecisionRow)]
-        state.append(session.scalar(select(func.max(DecisionRow.updated_at))))
-    return tuple(state)
+        state = {model: tuple(session.execute(select(func.count(), func.max(model.id))).one()) for model in _TRACKED}
+        state["updated_at"] = session.scalar(select(func.max(DecisionRow.updated_at))) or ""
+    return state
+
+
+def _plan_holds(store, state: dict, todo: dict) -> bool:
+    """Whether what was written since `state` (read under the import lock) leaves the plan as it is:
+    nothing deleted, no new run or measurement the plan would add, nothing new for a key it decides.
+    A tune writing other keys meanwhile keeps the plan, so the lock is held only for the writes."""
+    planned_runs = {k for k, _ in todo["runs"]}
+    planned = {_identity(m, digest) for m, _, digest, _ in todo["measurements"]}
+    groups = todo["groups"]
+    with store._reading() as session:
+        for model in _TRACKED:
+            count, max_id = state[model]
+            now_count, added = session.execute(select(func.count(), func.count().filter(model.id > (max_id or 0)))
+                                               .select_from(model)).one()
+            if now_count != count + added:
+                return False                      # rows were deleted
+        runs = (select(RunRow.node, DeviceRow.uuid, FingerprintRow.digest, RunRow.sku, RunRow.started_at)
+                .outerjoin(DeviceRow, DeviceRow.id == RunRow.device_id)
+                .join(FingerprintRow, FingerprintRow.id == RunRow.fingerprint_id)
+                .where(RunRow.id > (state[RunRow][1] or 0)))
+        for node, uuid, digest, sku, started in session.execute(runs):
+            if provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest, sku=sku,
+                                  started_at=started) in planned_runs:
+                return False
+        measurements = (select(MeasurementRow, FingerprintRow.digest)
+                        .outerjoin(FingerprintRow, FingerprintRow.id == MeasurementRow.fingerprint_id)
+                        .where(MeasurementRow.id > (state[MeasurementRow][1] or 0)))
+        for row, digest in session.execute(measurements):
+            m = codec.measurement_from({c.key: getattr(row, c.key) for c in row.__table__.columns})
+            if (m.key, digest or "") in groups or _identity(m, digest or "") in planned:
+                return False
+        decisions = select(*[getattr(DecisionRow, c) for c in codec.KEY_FIELDS], DecisionRow.fingerprint_digest).where(
+            (DecisionRow.id > (state[DecisionRow][1] or 0)) | (DecisionRow.updated_at >= state["updated_at"]))
+        for row in session.execute(decisions):
+            if (codec.key_from(row._mapping), row.fingerprint_digest) in groups:
+                return False
+    return True

@@ -75,7 +75,7 @@ def test_export_is_a_snapshot_while_a_tune_writes(store_url, tmp_path):
 def test_a_long_sqlite_import_holds_the_write_lock_briefly(tmp_path):
     """The import plans from a snapshot without the lock and writes in one short transaction: a writer
     beside it (a tune) never waits as long as its busy timeout."""
-    from store_samples import FP
+    from store_samples import FP, H100, key, measurement
 
     source = filled_store(f"sqlite:///{tmp_path / 'source.db'}", heads=tuple(range(8, 136, 8)),
                           measurements_per_key=400)         # 6,400 measurements
@@ -86,13 +86,14 @@ def test_a_long_sqlite_import_holds_the_write_lock_briefly(tmp_path):
                                 stderr=subprocess.PIPE, text=True)
     waits = []
     with Store.open(url, busy_timeout_s=5) as store:
-        while importer.poll() is None:
+        run_id = store.start_run(device=H100, fingerprint=FP, preset="quick", node="tuning-here")
+        while importer.poll() is None:   # a tune of a key the file does not hold, one measurement at a time
             started = time.monotonic()
-            store.record_fingerprint(FP)      # fails with "locked after waiting 5 s" if the import holds it longer
+            store.add_measurement(run_id, measurement(key(num_heads=4), kv_len=1 + len(waits)))   # waits 5 s at most
             waits.append(time.monotonic() - started)
             time.sleep(0.05)
     out, err = importer.communicate(timeout=10)
     assert importer.returncode == 0, err
-    assert _counts(url)[1] == 6_400
+    assert _counts(url)[1] == 6_400 + len(waits)
     assert waits and max(waits) < 5, max(waits)
     print(f"longest wait of a writer beside the import: {max(waits):.2f} s over {len(waits)} writes")
