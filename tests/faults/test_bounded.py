@@ -8,7 +8,7 @@ import time
 from contextlib import closing
 
 import pytest
-from conftest import export_file, filled_store, one_error_line, run_cli
+from fault_helpers import export_file, filled_store, one_error_line, run_cli
 
 import mla_tune
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import export_file, filled_store
+from fault_helpers import export_file, filled_store
 
 import mla_tune
 

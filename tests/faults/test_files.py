@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import CLI, export_file, filled_store, one_error_line, run_cli
+from fault_helpers import CLI, export_file, filled_store, one_error_line, run_cli
 
 from mla_tune.store.exchange import TEMP_MARK, read_export
 

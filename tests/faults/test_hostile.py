@@ -9,7 +9,7 @@ import sys
 from contextlib import closing
 
 import pytest
-from conftest import export_file, filled_store, one_error_line, run_cli
+from fault_helpers import export_file, filled_store, one_error_line, run_cli
 
 import mla_tune
 from mla_tune.store.exchange import checksum, dumps

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import CLI, export_file, filled_store, run_cli
+from fault_helpers import CLI, export_file, filled_store, run_cli
 
 from mla_tune.store.repository import Store
 

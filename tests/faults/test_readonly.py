@@ -8,7 +8,7 @@ import subprocess
 from contextlib import closing
 
 import pytest
-from conftest import export_file, filled_store, one_error_line, run_cli
+from fault_helpers import export_file, filled_store, one_error_line, run_cli
 from store_samples import file_digest
 
 import mla_tune

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import export_file, filled_store, run_cli
+from fault_helpers import export_file, filled_store, run_cli
 
 SECRET = "Zq9-s3cr3t"
 
