@@ -6,7 +6,8 @@ import dataclasses
 
 import click
 
-from mla_tune.cli.output import fail, print_json, table
+from mla_tune.cli.output import echo, fail, print_json, table
+from mla_tune.cli.params import db_option
 
 
 def _open(ctx, *, create: bool):
@@ -30,11 +31,15 @@ def _missing_sqlite_file(ctx) -> bool:
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, writable=True),
               metavar="FILE", help="Where to write the export (JSON, schema in docs/export-schema.md).")
 @click.option("--node", default=None, metavar="NAME", help="Producer node recorded in the file (default: host name).")
+@db_option
 @click.pass_context
 def export_cmd(ctx, out_path: str, node: str | None) -> None:
     """Write every decision and its evidence to FILE as versioned, checksummed JSON.
 
-    Two exports of the same data are byte-identical, so they can be diffed and reviewed.
+    Two exports of the same data are byte-identical, so they can be diffed and reviewed. The export is
+    one snapshot of the store, read without writing it. FILE is replaced atomically (written, synced,
+    then renamed); a symbolic link is written through to its target, and a device or pipe such as
+    /dev/stdout is written directly.
 
     Example: mla-tune export --out h200-node17.json
     """
@@ -45,10 +50,10 @@ def export_cmd(ctx, out_path: str, node: str | None) -> None:
         with _open(ctx, create=False) as store:
             summary = write_export(store, out_path, node=node)
     except StoreError as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code=exc.exit_code) from None
     except OSError as exc:
         raise fail(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(f"wrote {summary['path']}: {summary['decisions']} decision(s), {summary['measurements']} "
+    echo(f"wrote {summary['path']}: {summary['decisions']} decision(s), {summary['measurements']} "
                f"measurement(s), {summary['runs']} run(s), {summary['devices']} GPU(s); {summary['checksum']}")
 
 
@@ -57,13 +62,15 @@ def export_cmd(ctx, out_path: str, node: str | None) -> None:
 @click.option("--check", is_flag=True, help="Validate and report what would change; write nothing.")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=None, metavar="N",
               help="Refuse files larger than N bytes (default 256 MiB).")
+@db_option
 @click.pass_context
 def import_cmd(ctx, files: tuple[str, ...], check: bool, max_bytes: int | None) -> None:
     """Import export FILEs: validated strictly, applied all or nothing, idempotent.
 
     Decisions of a key measured on several nodes are rebuilt from all their
     measurements (median across GPUs), and nodes whose times disagree beyond the
-    noise margin are reported. A rejected file exits with status 2 and changes nothing.
+    noise margin are reported. A rejected file exits with status 2 and changes nothing; --check reads
+    the store without writing it. Two imports of the same file at once store it once.
 
     Example: mla-tune --db postgresql+psycopg://mla@db/mla import node*.json --check
     """
@@ -91,14 +98,15 @@ def import_cmd(ctx, files: tuple[str, ...], check: bool, max_bytes: int | None) 
             with _open(ctx, create=not check) as store:
                 report = import_documents(store, documents, files=list(files), check=check, decide=decide)
         except StoreError as exc:
-            raise fail(str(exc)) from None
+            raise fail(str(exc), exit_code=exc.exit_code) from None
     for line in report.lines():
-        click.echo(line)
+        echo(line)
 
 
 @click.command("report")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Directory for index.md and the PNG plots (created if missing).")
+@db_option
 @click.pass_context
 def report_cmd(ctx, out_dir: str) -> None:
     """Write a Markdown report with PNG plots of every decision and its evidence into DIR.
@@ -112,14 +120,14 @@ def report_cmd(ctx, out_dir: str) -> None:
         with _open(ctx, create=False) as store:
             decisions, measurements = store.decisions(), store.measurements()
     except StoreError as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code=exc.exit_code) from None
     try:
         path = write_report(decisions, measurements, out_dir)
     except ImportError as exc:
         raise fail(f"reports need matplotlib (pip install 'mla-tune[report]'): {exc}") from None
     except OSError as exc:
         raise fail(f"cannot write the report into {out_dir}: {exc.strerror or exc}") from None
-    click.echo(f"wrote {path} ({len(decisions)} decision(s))")
+    echo(f"wrote {path} ({len(decisions)} decision(s))")
 
 
 FLEET_COLUMNS = ["GPU SKU", "key", "winner", "margin", "nodes", "GPUs", "spread of the winner"]
@@ -135,7 +143,7 @@ def show_fleet(store, *, as_json: bool) -> None:
                     "outliers": [dataclasses.asdict(o) for o in view.outliers]})
         return
     if not view.rows:
-        click.echo(f"no decisions stored in {store.where} yet")
+        echo(f"no decisions stored in {store.where} yet")
     else:
         rows = []
         for r in view.rows:

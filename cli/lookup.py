@@ -7,8 +7,8 @@ import shlex
 
 import click
 
-from mla_tune.cli.output import fail, print_json, warn
-from mla_tune.cli.params import ComputeCapability, problem_options
+from mla_tune.cli.output import echo, fail, print_json, safe, warn
+from mla_tune.cli.params import ComputeCapability, db_option, problem_options
 from mla_tune.engines import ENGINES
 
 FORMATS = ("text", "json", "vllm", "sglang", "env")
@@ -24,6 +24,7 @@ FORMATS = ("text", "json", "vllm", "sglang", "env")
               help="text for people, json for programs, vllm/sglang for the engine's flag, env for scripts.")
 @click.option("--engine", type=click.Choice(ENGINES), default=None,
               help="Answer with the best backend this engine has, ranked by the stored scores.")
+@db_option
 @click.pass_context
 def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype, device_name,
            compute_capability, fmt, engine) -> None:
@@ -42,6 +43,12 @@ def lookup(ctx, num_heads, kv_cache_dtype, sparse, topk, page_size, query_dtype,
     from mla_tune.cli.main import db_url
     from mla_tune.runtime import NoDeviceError, NoEligibleBackendError, lookup as run_lookup
 
+    if num_heads is None:
+        raise click.UsageError("missing option '--heads N': the query heads per rank (model heads / tensor "
+                               "parallelism, e.g. 16 for DeepSeek-V3 at TP 8)")
+    if kv_cache_dtype is None:
+        raise click.UsageError("missing option '--kv-cache-dtype D': the engine's --kv-cache-dtype "
+                               "(auto, bf16, fp8, ...)")
     if engine and fmt in ENGINES and fmt != engine:
         raise click.UsageError(f"--format {fmt} prints {fmt}'s flag; it cannot go with --engine {engine}")
     if (device_name is None) != (compute_capability is None):
@@ -84,9 +91,9 @@ def render(choice, fmt: str, ranked=None) -> None:
     elif fmt in ("vllm", "sglang"):
         if ranked.engine_backend:
             click.echo(f"--attention-backend {ranked.engine_backend}")
-            click.echo(f"mla-tune: {ranked.reason}", err=True)
+            echo(f"mla-tune: {ranked.reason}", err=True)
         else:
-            click.echo(f"mla-tune: printing no flag: {ranked.reason}", err=True)
+            echo(f"mla-tune: printing no flag: {ranked.reason}", err=True)
     elif fmt == "env":
         from mla_tune.engines import choice_for_engine, vllm_plugin_missing
 
@@ -100,11 +107,11 @@ def render(choice, fmt: str, ranked=None) -> None:
     else:
         margin = f", margin {100 * choice.margin:.1f}% over {choice.runner_up}" \
             if choice.margin is not None and choice.runner_up else ""
-        click.echo(f"{choice.backend} ({choice.source}{margin})")
-        click.echo(f"  why: {choice.why}")
+        echo(f"{choice.backend} ({choice.source}{margin})")
+        echo(f"  why: {choice.why}")
         if choice.source == "tuned" and choice.static_choice and choice.static_choice != choice.backend:
-            click.echo(f"  vLLM's static choice would be {choice.static_choice}")
+            echo(f"  vLLM's static choice would be {choice.static_choice}")
         if ranked is not None:
-            click.echo(f"  for {ranked.engine}: {ranked.engine_backend or 'no flag'} ({ranked.reason})")
+            echo(f"  for {ranked.engine}: {ranked.engine_backend or 'no flag'} ({ranked.reason})")
         for name, texts in choice.reasons.items():
-            click.echo(f"  not {name}: {'; '.join(t for t in texts if t != choice.why)}")
+            echo(f"  not {name}: {'; '.join(t for t in texts if t != choice.why)}")

@@ -7,6 +7,7 @@ status 2; a library error becomes one line with exit status 1; no traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -15,6 +16,7 @@ import sys
 import click
 
 from mla_tune import __version__
+from mla_tune.cli.output import print_json, remember_url, safe
 
 # (module, attribute) of each subcommand, in help order; add one line per new command.
 COMMANDS = [
@@ -31,30 +33,53 @@ COMMANDS = [
 
 
 class MainGroup(click.Group):
-    """A click group whose errors are one line on stderr (click prints usage and a hint)."""
+    """A click group whose errors are one line on stderr (click prints usage and a hint).
+
+    When the command line asks for JSON (`--json`, `--format json`), a failure also prints
+    `{"error": ..., "exit_status": ...}` on stdout, so that a program reading stdout always gets JSON.
+    """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        remember_url(os.environ.get("MLA_TUNE_DB"))
+        for i, arg in enumerate(args):  # passwords of every --db given, even one that fails to parse
+            if arg == "--db" and i + 1 < len(args):
+                remember_url(args[i + 1])
+            elif arg.startswith("--db="):
+                remember_url(arg[5:])
         try:
-            with self.make_context(prog_name or "mla-tune",
-                                   list(sys.argv[1:] if args is None else args), **extra) as ctx:
+            with self.make_context(prog_name or "mla-tune", list(args), **extra) as ctx:
                 self.invoke(ctx)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
-            click.echo(f"mla-tune: error: {_one_line(exc.format_message())}", err=True)
-            sys.exit(2)
+            _error(exc.format_message(), 2, args)
         except click.ClickException as exc:
-            click.echo(f"mla-tune: error: {_one_line(exc.format_message())}", err=True)
-            sys.exit(exc.exit_code)
+            _error(exc.format_message(), exc.exit_code, args)
         except click.Abort:
-            click.echo("mla-tune: aborted", err=True)
-            sys.exit(1)
+            _error("aborted", 1, args, prefix="mla-tune: ")
         except KeyboardInterrupt:
-            click.echo("mla-tune: interrupted", err=True)
-            sys.exit(130)
+            _error("interrupted", 130, args, prefix="mla-tune: ")
         except BrokenPipeError:
             sys.exit(1)
         sys.exit(0)
+
+
+def wants_json(args: list[str]) -> bool:
+    """Whether the command line asks for JSON output on stdout."""
+    for i, arg in enumerate(args):
+        if arg == "--json" or arg == "--format=json" or (arg == "--format" and args[i + 1:i + 2] == ["json"]):
+            return True
+    return False
+
+
+def _error(message: str, exit_code: int, args: list[str], *, prefix: str = "mla-tune: error: ") -> None:
+    line = _one_line(safe(message))
+    if wants_json(args):
+        with contextlib.suppress(Exception):
+            print_json({"error": line, "exit_status": exit_code})
+    click.echo(f"{prefix}{line}", err=True)
+    sys.exit(exit_code)
 
 
 def _one_line(text: str) -> str:
@@ -69,6 +94,7 @@ def validated_db_url(url: str | None) -> str:
     from mla_tune.store.engine import default_url, resolve_url
 
     raw = (url or "").strip() or default_url()
+    remember_url(raw)
     plain = _PLAIN_SQLITE.fullmatch(raw)
     if plain and plain.group(1) != ":memory:":
         # The common case, resolved as `resolve_url` would, without importing SQLAlchemy

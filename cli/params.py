@@ -71,3 +71,18 @@ def problem_options(func=None, *, heads_required: bool):
             f = option(f)
         return f
     return decorate(func) if func is not None else decorate
+
+
+def _set_db(ctx: click.Context, _param, value: str | None) -> None:
+    if value is not None:
+        from mla_tune.cli.main import validated_db_url
+
+        root = ctx.find_root()
+        root.ensure_object(dict)
+        root.obj["db"] = validated_db_url(value)
+
+
+def db_option(func):
+    """`--db URL` on a subcommand too (`mla-tune lookup --db URL ...`); it overrides the global one."""
+    return click.option("--db", metavar="URL", expose_value=False, callback=_set_db,
+                        help="SQLAlchemy URL of the decision store (as the global --db; env MLA_TUNE_DB).")(func)

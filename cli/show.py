@@ -6,7 +6,8 @@ import dataclasses
 
 import click
 
-from mla_tune.cli.output import fail, print_json, table
+from mla_tune.cli.output import echo, fail, print_json, table
+from mla_tune.cli.params import db_option
 
 
 def current_software():
@@ -56,6 +57,7 @@ DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--fleet", is_flag=True, help="Per SKU and key: nodes and GPUs behind each decision, their spread, "
               "and GPUs markedly slower than their SKU's median.")
+@db_option
 @click.pass_context
 def show(ctx, as_json: bool, fleet: bool) -> None:
     """Print every stored decision: key, winner, margin over the runner-up, vLLM's static choice, anomalies.
@@ -64,7 +66,8 @@ def show(ctx, as_json: bool, fleet: bool) -> None:
     flashinfer, our kernel sources, the driver) are marked STALE: `lookup`
     ignores them and `mla-tune` re-tunes them.
 
-    Exits with status 1 and one line when the store cannot be opened.
+    Reads only: nothing is created, migrated or written. Exits with status 1 and one
+    line when the store cannot be opened or holds a corrupt row (docs/errors.md).
 
     Example: mla-tune --db sqlite:///decisions.db show --json
     """
@@ -81,7 +84,7 @@ def show(ctx, as_json: bool, fleet: bool) -> None:
             decisions = store.decisions()
             where = store.where
     except StoreError as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code=exc.exit_code) from None
     decisions.sort(key=lambda d: (d.key.sku, d.key.kv_cache_dtype, d.key.topk, -d.key.num_heads, d.key.page_size))
     current = current_software()
     if as_json:
@@ -89,6 +92,6 @@ def show(ctx, as_json: bool, fleet: bool) -> None:
                     for d, problems in zip(decisions, staleness(decisions, current))])
         return
     if not decisions:
-        click.echo(f"no decisions stored in {where} yet; run `mla-tune` on a GPU node to tune")
+        echo(f"no decisions stored in {where} yet; run `mla-tune` on a GPU node to tune")
         return
     table(f"Decisions in {where}", DECISION_COLUMNS, decision_rows(decisions, current))

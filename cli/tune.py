@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from mla_tune.cli.output import fail, table, warn
+from mla_tune.cli.params import db_option
 
 
 def _int_list(text: str | None, what: str) -> tuple[int, ...]:
@@ -106,7 +107,7 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) 
     except (SpecError, BudgetError) as exc:
         raise click.UsageError(str(exc)) from None
     except (StoreError, GpuBusy, TuneError, WorkerStartError) as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code=getattr(exc, "exit_code", 1)) from None
     print_report(report, shown)
 
 
@@ -178,6 +179,7 @@ def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
 @click.option("--workload", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Workload profile (JSON or TOML): batch_size and kv_len weights, or explicit shapes.")
 @click.option("--mtp", is_flag=True, help="Also tune q_len 2 (multi-token prediction).")
+@db_option
 @click.pass_context
 def tune(ctx, model, tp, heads, kv_cache_dtype, quick, thorough, budget_s, resume, force, gpus, workload, mtp):
     """Time every eligible MLA backend on this GPU and store the decisions.

@@ -239,8 +239,12 @@ def _warn_once(message: str) -> None:
             return
         _WARNED.add(message)
     import logging  # only when there is something to say: it costs milliseconds at engine startup
+    import re
 
-    logging.getLogger("mla_tune").warning("mla-tune lookup: %s; using vLLM's static choice", message)
+    # Store text may hold control characters (an ANSI sequence in a node name): logs often reach a terminal.
+    shown = re.sub("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", lambda m: f"\\x{ord(m.group()):02x}"
+                   if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", message)
+    logging.getLogger("mla_tune").warning("mla-tune lookup: %s; using vLLM's static choice", shown)
 
 
 def _sku_matches(stored_sku: str, device: DeviceInfo) -> bool:
@@ -313,11 +317,14 @@ def _compute(num_heads, kv_cache_dtype, *, device, sparse, db, page_size, query_
         current = current_fingerprint(driver_version=info.driver_version)
         stale = []
         for decision in decisions:
-            problems = compatibility_problems(decision.fingerprint, current)
-            if decision.winner not in BACKENDS:
-                problems.append(f"its winner {decision.winner!r} is not a backend this mla-tune knows")
-            if not problems:
-                return _tuned_choice(decision, key, problem, spec, vllm_choice)
+            try:
+                problems = compatibility_problems(decision.fingerprint, current)
+                if decision.winner not in BACKENDS:
+                    problems.append(f"its winner {decision.winner!r} is not a backend this mla-tune knows")
+                if not problems:
+                    return _tuned_choice(decision, key, problem, spec, vllm_choice)
+            except Exception as exc:  # noqa: BLE001 - a stored value no check foresaw must not stop an engine
+                problems = [f"its stored values cannot be used ({type(exc).__name__}: {' '.join(str(exc).split())})"]
             stale.append("; ".join(problems))
         why = (f"the tuned decision for {key.label} was measured with other software "
                f"({stale[0]}); re-run `mla-tune` to tune again")

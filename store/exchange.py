@@ -18,6 +18,7 @@ times disagree beyond the noise margin are reported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -118,15 +119,122 @@ def export_document(store, *, node: str | None = None) -> dict:
 
 
 def write_export(store, path: str | os.PathLike, *, node: str | None = None) -> dict:
-    """Write the export of `store` to `path` (atomically); return counts and the checksum."""
-    document = export_document(store, node=node)
+    """Write the export of `store` to `path`; return counts and the checksum.
+
+    The document is read in one snapshot (`Store.snapshot`) and checked against
+    the schema the importer enforces, so a store holding a value no import would
+    accept is a StoreError before anything is written. The file is written as
+    `write_file` does: atomically, through symbolic links, never replacing a device.
+    """
+    from mla_tune.store.sqlite_file import StoreError
+
+    with store.snapshot():
+        document = export_document(store, node=node)
+    try:
+        check(document, DOCUMENT, "export")
+        _check_references(document["content"])
+    except SchemaError as exc:
+        raise StoreError(f"{store.where} holds a value an export cannot carry ({exc}); fix or delete the row") from None
     data = dumps(document)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-    return {"path": str(target), "bytes": len(data), "checksum": document["checksum"],
+    written = write_file(path, data)
+    return {"path": written, "bytes": len(data), "checksum": document["checksum"],
             **{kind: len(records) for kind, records in document["content"].items()}}
+
+
+TEMP_MARK = ".mla-tune-export-"
+
+
+def write_file(path: str | os.PathLike, data: bytes) -> str:
+    """Write `data` to `path` and return the path written.
+
+    A regular file (or a missing one) is replaced atomically: the bytes go to
+    `.NAME.mla-tune-export-PID.tmp` in the same directory, are synced, then the
+    file is renamed into place and the directory synced. A failure removes the
+    temporary file; a kill leaves the old file or the new one, and at most a
+    temporary file that the next export to that directory removes (its process
+    is gone). A symbolic link is followed to the
+    file it names (the link stays); a device, pipe or socket (`/dev/stdout`) is
+    written directly and never replaced. Missing directories are not created.
+    """
+    import stat
+
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "Is a directory", path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        with open(path, "wb") as handle:   # a terminal, pipe or /dev/null: the bytes go straight to it
+            handle.write(data)
+        return path
+    target = os.path.realpath(path)
+    directory, name = os.path.split(target)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(2, f"No such directory {directory} (it is not created)", path)
+    _remove_stale_temps(directory, name)
+    temp = os.path.join(directory, f".{name}{TEMP_MARK}{os.getpid()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    named = True
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if st is not None:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        os.fsync(fd)   # the bytes are on disk before the rename makes them the file
+        os.close(fd)
+        fd = -1
+        os.replace(temp, target)
+        named = False
+        _sync_directory(directory)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        if named:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+        raise
+    return path
+
+
+def _remove_stale_temps(directory: str, name: str) -> None:
+    """Remove `.NAME.mla-tune-export-PID.tmp` files whose process is gone (a killed export's)."""
+    prefix = f".{name}{TEMP_MARK}"
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix):-len(".tmp")] if entry.startswith(prefix) and entry.endswith(".tmp") else ""
+        if not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(directory, entry))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _sync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot sync a directory; the rename itself is done
+    finally:
+        os.close(fd)
 
 
 # -- reading and validating -------------------------------------------------------------------
@@ -149,6 +257,9 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
     def fail(problem: str) -> ExchangeError:
         return ExchangeError(f"{source}: {problem}")
 
+    problem = structure_problem(data)
+    if problem:
+        raise fail(problem)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -157,6 +268,9 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
         raise fail("is empty")
     try:
         document = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except MemoryError:
+        raise fail(f"could not be parsed in the memory available ({len(data)} bytes); split the export, "
+                   f"or import on a machine with more memory") from None
     except json.JSONDecodeError as exc:
         truncated = exc.pos >= len(text.rstrip()) - 1 or exc.msg.startswith("Unterminated")
         hint = " (truncated?)" if truncated else ""
@@ -228,6 +342,28 @@ def rename_legacy_backends(document: dict) -> None:
         d.setdefault("engine_best", None)
 
 
+# An export spends at least ~10 bytes per JSON value (`"topk": 0,` is the shortest field); parsed, a value
+# costs up to ~100 bytes of Python objects. Refusing files denser than one value per 8 bytes, before
+# parsing, bounds the memory a file can make the parser use to about 13x its size (tests/faults measure it).
+BYTES_PER_VALUE_MIN = 8
+DENSITY_CHECK_BYTES = 1 << 20
+
+
+def structure_problem(data: bytes) -> str | None:
+    """Why `data` cannot be an export, judged from byte counts alone (no parsing), or None.
+
+    A file of tiny values (`[[],[],...]`, `[0,0,...]`) would cost many times its size
+    in memory once parsed; such a file is refused before any parsing.
+    """
+    if len(data) <= DENSITY_CHECK_BYTES:  # a small file cannot cost much memory, whatever it holds
+        return None
+    values = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if values > len(data) // BYTES_PER_VALUE_MIN:
+        return (f"holds about {values} JSON values in {len(data)} bytes, more than an export holds (at most one "
+                f"per {BYTES_PER_VALUE_MIN} bytes); refused before parsing")
+    return None
+
+
 def _records(document: dict, name: str) -> list[dict]:
     """The `content.<name>` records that are objects (the schema check names whatever else is there)."""
     content = document.get("content")
@@ -265,19 +401,31 @@ def _check_references(content: dict) -> None:
 
 
 def read_export(path: str | os.PathLike, *, max_bytes: int = MAX_IMPORT_BYTES) -> dict:
-    """Read and validate one export file; ExchangeError (one line) when it is not acceptable."""
+    """Read and validate one export file; ExchangeError (one line) when it is not acceptable.
+
+    The file is read in 1 MiB chunks and refused as soon as it passes `max_bytes` (a pipe's size is not
+    known beforehand); memory is the file's bytes, then what parsing costs (see `structure_problem`).
+    """
     source = str(path)
     try:
         size = os.stat(path).st_size
         if size > max_bytes:
             raise ExchangeError(f"{source}: is {size} bytes, more than the import limit of {max_bytes} bytes")
+        chunks, total = [], 0
         with open(path, "rb") as handle:
-            data = handle.read(max_bytes + 1)
+            while chunk := handle.read(1 << 20):
+                total += len(chunk)
+                if total > max_bytes:
+                    raise ExchangeError(f"{source}: is more than the import limit of {max_bytes} bytes")
+                chunks.append(chunk)
+        data = b"".join(chunks)
+        del chunks
+        return parse_document(data, source=source)
     except OSError as exc:
         raise ExchangeError(f"{source}: cannot be read: {exc.strerror or exc}") from None
-    if len(data) > max_bytes:
-        raise ExchangeError(f"{source}: is more than the import limit of {max_bytes} bytes")
-    return parse_document(data, source=source)
+    except MemoryError:
+        raise ExchangeError(f"{source}: could not be read and checked in the memory available; split the "
+                            f"export, or import it on a machine with more memory") from None
 
 
 # -- decoding into records --------------------------------------------------------------------

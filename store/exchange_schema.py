@@ -34,14 +34,32 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def string(max_len: int = 255, *, empty: bool = True, pattern: str | None = None):
+# Names, versions and other one-line values hold no control character (an ANSI sequence or a newline in a
+# node name would reach terminals); free text (a failure's reason) may hold tabs and newlines; nothing holds
+# NUL, which PostgreSQL text cannot store.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_TEXT_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _control_problem(v: str, pattern: re.Pattern) -> str | None:
+    found = pattern.search(v)
+    if found is None:
+        return None
+    return f"holds the control character U+{ord(found.group()):04X} at position {found.start()}"
+
+
+def string(max_len: int = 255, *, empty: bool = True, pattern: str | None = None, free_text: bool = False):
     regex = re.compile(pattern) if pattern else None
+    controls = _TEXT_CONTROL if free_text else _CONTROL
 
     def check(v):
         if not isinstance(v, str):
             return f"{_show(v)} is not a string"
         if len(v) > max_len:
             return f"a string of {len(v)} characters is longer than {max_len}"
+        problem = _control_problem(v, controls)
+        if problem:
+            return problem
         if not v and not empty:
             return "is empty"
         if regex and v and not regex.fullmatch(v):
@@ -150,14 +168,14 @@ def _tile_value(v) -> str | None:
 PARAMS = {
     "tile": ("map", string(32, empty=False, pattern=r"[a-z][a-z0-9_]*"), _tile_value),
     "label": string(64, empty=False), "default_label": string(64), "default_median_ms": optional(MS),
-    "candidates": integer(1, 64), "rejected": ("map", string(64, empty=False), string(4096)),
+    "candidates": integer(1, 64), "rejected": ("map", string(64, empty=False), string(4096, free_text=True)),
 }
 MEASUREMENT = {
     "key": KEY, "run": optional(integer(0, MAX_LIST)), "fingerprint": optional(DIGEST),
     "backend": backend_name, "batch_size": integer(1, 1 << 20), "kv_len": integer(1, 1 << 26),
     "status": one_of(STATUSES), "median_ms": optional(MS), "ci_low_ms": optional(MS),
     "ci_high_ms": optional(MS), "samples": integer(0, 1 << 30),
-    "rel_error": optional(number(0.0, 1e6)), "reason": string(4096), "gpu_uuid": string(96),
+    "rel_error": optional(number(0.0, 1e6)), "reason": string(4096, free_text=True), "gpu_uuid": string(96),
     "sm_clock_mhz_before": optional(integer(0, 100_000)), "sm_clock_mhz_after": optional(integer(0, 100_000)),
     "temperature_c_before": optional(integer(-50, 200)), "temperature_c_after": optional(integer(-50, 200)),
     "measured_at": timestamp(), "params": ("optional", PARAMS),
@@ -170,7 +188,7 @@ DECISION = {
     "static_choice": optional(backend_name), "static_score": optional(SCORE),
     "noise_margin": number(0.0, 1.0), "kept_static": boolean,
     "scores": ("map", backend_name, SCORE), "per_shape": ("list", SHAPE_WINNER),
-    "anomalies": ("list", string(4096)), "failures": ("map", backend_name, string(4096)),
+    "anomalies": ("list", string(4096, free_text=True)), "failures": ("map", backend_name, string(4096, free_text=True)),
     "gpu_uuids": ("list", string(96)), "decided_at": timestamp(),
     "engine_best": ("optional", ("map", string(32, empty=False, pattern=r"[a-z][a-z0-9_]*"), backend_name)),
 }

@@ -1,8 +1,13 @@
 """Apply validated export files to a store: all or nothing, idempotent, decisions merged across nodes.
 
 `import_files` validates every file first (nothing is written when any file
-is rejected), then plans against what the store holds and writes the plan in
-one transaction. With `check=True` it only plans and reports.
+is rejected), then plans against a snapshot of what the store holds, without
+holding the write lock (planning reads every stored measurement and can take
+seconds), and writes the plan in one short transaction. That transaction first
+takes the import lock (PostgreSQL: an advisory lock; SQLite: `BEGIN IMMEDIATE`)
+and, when anything was written since the snapshot (another import, a tune),
+plans again under the lock: two imports of one file at once store it once.
+With `check=True` it only plans, in a read-only snapshot, and reports.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from sqlalchemy import select
+from sqlalchemy import func, insert, select, text
 
 from mla_tune.store import codec, provenance
 from mla_tune.store.exchange import MAX_IMPORT_BYTES, Incoming, decode, read_export
-from mla_tune.store.models import DeviceRow, FingerprintRow, MeasurementRow, RunRow
+from mla_tune.store.models import DecisionRow, DeviceRow, FingerprintRow, MeasurementRow, RunRow
 from mla_tune.store.records import Decision, DecisionKey, Measurement
 
 DISAGREEMENT_FLOOR = 0.02   # never report node differences below 2% (clock and thermal drift)
+IMPORT_LOCK_ID = 0x6D6C7469  # "mlti": the PostgreSQL advisory lock every mla-tune import takes
 
 
 @dataclass
@@ -173,7 +179,7 @@ def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | 
     report.decisions_saved = len(to_save)
     report.devices, report.fingerprints = len(incoming.devices), len(incoming.fingerprints)
     return {"runs": [(k, incoming.runs[k]) for k in new_runs], "measurements": new_measurements,
-            "decisions": to_save}
+            "decisions": to_save, "groups": groups}
 
 
 def apply(store, incoming: Incoming, todo: dict) -> None:
@@ -197,11 +203,11 @@ def apply(store, incoming: Incoming, todo: dict) -> None:
         for run_id, node, uuid, digest, sku, started in session.execute(stmt):
             run_ids[provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest,
                                        sku=sku, started_at=started)] = run_id
-        for m, run, digest, _ in todo["measurements"]:
-            session.add(MeasurementRow(run_id=run_ids.get(run) if run else None,
-                                       fingerprint_id=fp_ids.get(digest) if digest else None,
-                                       **codec.measurement_values(m)))
-        session.flush()
+        rows = [{"run_id": run_ids.get(run) if run else None,
+                 "fingerprint_id": fp_ids.get(digest) if digest else None, **codec.measurement_values(m)}
+                for m, run, digest, _ in todo["measurements"]]
+        if rows:  # one executemany: tens of thousands of rows in well under a second of write lock
+            session.execute(insert(MeasurementRow), rows)
     for decision, node in todo["decisions"]:
         store.save_decision(decision, node=node)
 
@@ -232,10 +238,70 @@ def import_documents(store, documents: list[dict], *, files: list[str], check: b
     """`import_files` for documents already read and validated by `read_export`."""
     incoming = decode(documents)
     report = ImportReport(files=files, producers=incoming.producers, check=check)
+    with store.snapshot():
+        state = None if check else _state(store)
+        todo = plan(store, incoming, report, decide=decide)
     if check:
-        plan(store, incoming, report, decide=decide)
         return report
     with store.batch():
-        todo = plan(store, incoming, report, decide=decide)
+        _lock_imports(store)
+        if not _plan_holds(store, state, todo):  # written meanwhile where it matters: plan again, locked
+            report = ImportReport(files=files, producers=incoming.producers)
+            todo = plan(store, incoming, report, decide=decide)
         apply(store, incoming, todo)
     return report
+
+
+def _lock_imports(store) -> None:
+    """Serialise imports until the caller's transaction ends (SQLite's BEGIN IMMEDIATE already does)."""
+    with store._write() as session:
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": IMPORT_LOCK_ID})
+
+
+_TRACKED = (RunRow, MeasurementRow, DecisionRow)
+
+
+def _state(store) -> dict:
+    """Row count and largest id of the tables a plan depends on, and the newest decision update."""
+    with store._reading() as session:
+        state = {model: tuple(session.execute(select(func.count(), func.max(model.id))).one()) for model in _TRACKED}
+        state["updated_at"] = session.scalar(select(func.max(DecisionRow.updated_at))) or ""
+    return state
+
+
+def _plan_holds(store, state: dict, todo: dict) -> bool:
+    """Whether what was written since `state` (read under the import lock) leaves the plan as it is:
+    nothing deleted, no new run or measurement the plan would add, nothing new for a key it decides.
+    A tune writing other keys meanwhile keeps the plan, so the lock is held only for the writes."""
+    planned_runs = {k for k, _ in todo["runs"]}
+    planned = {_identity(m, digest) for m, _, digest, _ in todo["measurements"]}
+    groups = todo["groups"]
+    with store._reading() as session:
+        for model in _TRACKED:
+            count, max_id = state[model]
+            now_count, added = session.execute(select(func.count(), func.count().filter(model.id > (max_id or 0)))
+                                               .select_from(model)).one()
+            if now_count != count + added:
+                return False                      # rows were deleted
+        runs = (select(RunRow.node, DeviceRow.uuid, FingerprintRow.digest, RunRow.sku, RunRow.started_at)
+                .outerjoin(DeviceRow, DeviceRow.id == RunRow.device_id)
+                .join(FingerprintRow, FingerprintRow.id == RunRow.fingerprint_id)
+                .where(RunRow.id > (state[RunRow][1] or 0)))
+        for node, uuid, digest, sku, started in session.execute(runs):
+            if provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest, sku=sku,
+                                  started_at=started) in planned_runs:
+                return False
+        measurements = (select(MeasurementRow, FingerprintRow.digest)
+                        .outerjoin(FingerprintRow, FingerprintRow.id == MeasurementRow.fingerprint_id)
+                        .where(MeasurementRow.id > (state[MeasurementRow][1] or 0)))
+        for row, digest in session.execute(measurements):
+            m = codec.measurement_from({c.key: getattr(row, c.key) for c in row.__table__.columns})
+            if (m.key, digest or "") in groups or _identity(m, digest or "") in planned:
+                return False
+        decisions = select(*[getattr(DecisionRow, c) for c in codec.KEY_FIELDS], DecisionRow.fingerprint_digest).where(
+            (DecisionRow.id > (state[DecisionRow][1] or 0)) | (DecisionRow.updated_at >= state["updated_at"]))
+        for row in session.execute(decisions):
+            if (codec.key_from(row._mapping), row.fingerprint_digest) in groups:
+                return False
+    return True

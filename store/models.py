@@ -13,8 +13,31 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (JSON, Boolean, Double, ForeignKey, Index, Integer, MetaData, String, Text,
-                        UniqueConstraint)
+                        UniqueConstraint, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from mla_tune.store.sqlite_file import Unparsed
+
+
+class StoredJSON(TypeDecorator):
+    """JSON whose stored text may have been damaged: text that does not parse comes back as `Unparsed`,
+    so that `codec` names the column in its error instead of the driver raising mid-query."""
+
+    impl = JSON
+    cache_ok = True
+
+    def result_processor(self, dialect, coltype):
+        parse = self.impl_instance.result_processor(dialect, coltype)
+        if parse is None:
+            return None
+
+        def process(value):
+            try:
+                return parse(value)
+            except (ValueError, TypeError, RecursionError):
+                return Unparsed(value)
+        return process
 
 # Columns of `DecisionKey`, in order; measurements and decisions both carry them.
 KEY_COLUMNS = ("sku", "compute_capability", "query_dtype", "kv_cache_dtype", "num_heads",
@@ -32,7 +55,7 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+    type_annotation_map = {dict[str, Any]: StoredJSON, list[Any]: StoredJSON}
 
 
 class DeviceRow(Base):
@@ -89,6 +112,12 @@ class RunRow(Base):
     started_at: Mapped[str] = mapped_column(String(40))
     finished_at: Mapped[str | None] = mapped_column(String(40))
 
+    @declared_attr.directive
+    def __table_args__(cls):
+        # A run's natural key (what `provenance.run_key` compares across stores) is unique (0003).
+        return (Index("uq_runs_natural_key", "node", "sku", "started_at", "fingerprint_id",
+                      text("coalesce(device_id, 0)"), unique=True),)
+
 
 class KeyColumns:
     """The columns of a `DecisionKey`."""
@@ -128,7 +157,7 @@ class MeasurementRow(KeyColumns, Base):
     temperature_c_before: Mapped[int | None] = mapped_column(Integer)
     temperature_c_after: Mapped[int | None] = mapped_column(Integer)
     measured_at: Mapped[str] = mapped_column(String(40), default="")
-    params: Mapped[dict[str, Any] | None] = mapped_column(JSON)   # records.Measurement.params (0002)
+    params: Mapped[dict[str, Any] | None] = mapped_column(StoredJSON)   # records.Measurement.params (0002)
 
     @declared_attr.directive
     def __table_args__(cls):
@@ -149,12 +178,12 @@ class DecisionRow(KeyColumns, Base):
     static_score: Mapped[float | None] = mapped_column(Double)
     noise_margin: Mapped[float] = mapped_column(Double, default=0.0)
     kept_static: Mapped[bool] = mapped_column(Boolean, default=False)
-    scores: Mapped[dict[str, Any]] = mapped_column(JSON)
-    per_shape: Mapped[list[Any]] = mapped_column(JSON)
-    anomalies: Mapped[list[Any]] = mapped_column(JSON)
-    failures: Mapped[dict[str, Any]] = mapped_column(JSON)
-    gpu_uuids: Mapped[list[Any]] = mapped_column(JSON)
-    engine_best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    scores: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
+    per_shape: Mapped[list[Any]] = mapped_column(StoredJSON)
+    anomalies: Mapped[list[Any]] = mapped_column(StoredJSON)
+    failures: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
+    gpu_uuids: Mapped[list[Any]] = mapped_column(StoredJSON)
+    engine_best: Mapped[dict[str, Any] | None] = mapped_column(StoredJSON, nullable=True)
     decided_at: Mapped[str] = mapped_column(String(40), default="")
     node: Mapped[str] = mapped_column(String(255), default="")
     updated_at: Mapped[str] = mapped_column(String(40))

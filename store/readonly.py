@@ -13,19 +13,18 @@ falls back to the static choice.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Mapping
-from urllib.parse import quote
 
 from mla_tune.store import codec
-from mla_tune.store.engine import CONNECT_TIMEOUT_S, default_url, mask_url, require_driver, translate_error
+from mla_tune.store.engine import (CONNECT_TIMEOUT_S, check_userinfo, default_url, mask_url, pg_read_options,
+                                   require_driver, scrub, translate_error)
 from mla_tune.store.records import Decision
 from mla_tune.store.schema import KNOWN_REVISIONS, newer_schema_message
-from mla_tune.store.sqlite_file import StoreError, check_sqlite_file, sqlite_path
+from mla_tune.store.sqlite_file import CorruptValueError, StoreError, check_sqlite_file, connect_ro, sqlite_path
 
 TILES_REVISION = "0002"  # the first schema with measurements.params
-DECISIONS_REVISION = "0003"  # the first schema whose decisions say which backend each engine should get
+DECISIONS_REVISION = "0004"  # the first schema whose decisions say which backend each engine should get
 
 _DECISION_COLUMNS = (*codec.KEY_FIELDS, "winner", "runner_up", "margin", "static_choice",
                      "static_score", "noise_margin", "kept_static", "scores", "per_shape",
@@ -56,6 +55,18 @@ def _query(select: str, order: str, alias: str, *, sku: str | None, device_name:
         clauses.append(f"{alias}.{name} = :{name}")
         params[name] = value
     return select + (" WHERE " + " AND ".join(clauses) if clauses else "") + order, params
+
+
+def _convert_all(rows, convert, where: str) -> list:
+    """`convert` of each row; a row with a value of the wrong kind is a StoreError naming it."""
+    out = []
+    for row in rows:
+        try:
+            out.append(convert(row))
+        except (CorruptValueError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise StoreError(f"{where} holds a corrupt row ({' '.join(str(exc).split())}); fix or delete it, "
+                             f"or re-run `mla-tune` to tune again") from None
+    return out
 
 
 def _decision(row: Mapping[str, Any]) -> Decision:
@@ -114,7 +125,7 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert,
     check_sqlite_file(path, must_exist=True)
     connection = None
     try:
-        connection = _connect_ro(sqlite3, path)
+        connection = connect_ro(sqlite3, path, timeout_s=CONNECT_TIMEOUT_S)
         connection.row_factory = sqlite3.Row
         tables = {r[0] for r in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if "alembic_version" not in tables:
@@ -122,7 +133,7 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert,
                              f"or never migrated); run `mla-tune db upgrade`")
         _check_revision([r[0] for r in connection.execute("SELECT version_num FROM alembic_version")], path,
                         min_revision)
-        return [convert(row) for row in connection.execute(sql, params)]
+        return _convert_all(connection.execute(sql, params), convert, path)
     except sqlite3.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
     finally:
@@ -130,29 +141,37 @@ def _find_sqlite(path: str, url: str, sql: str, params: dict[str, Any], convert,
             connection.close()
 
 
-def _connect_ro(sqlite3, path: str):
-    """Open `path` read-only; a WAL database in a directory we cannot write is opened immutable.
+def _pg_connect_args(url: str) -> dict[str, Any]:
+    """psycopg keyword arguments of a PostgreSQL URL, parsed here rather than handed to libpq as a string:
+    libpq's messages about a malformed string quote it, password included."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
 
-    A read-only connection to a WAL database must create the `-shm` file next to
-    it. When that is impossible (read-only directory or medium) and there is no
-    `-wal` file, no writer can be active there either, so reading the file as
-    immutable is safe.
-    """
-    uri = f"file:{quote(path)}?mode=ro"
-    connection = sqlite3.connect(uri, uri=True, timeout=CONNECT_TIMEOUT_S)
-    try:
-        connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
-        return connection
-    except sqlite3.OperationalError as exc:
-        connection.close()
-        if "unable to open" not in str(exc) or os.path.exists(path + "-wal"):
-            raise
-    return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=CONNECT_TIMEOUT_S)
+    check_userinfo(url)
+    parts = urlsplit(url)
+    args: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if user:
+            args["user"] = unquote(user)
+        if colon:
+            args["password"] = unquote(password)
+    host, colon, port = hostport.rpartition(":") if not hostport.endswith("]") else (hostport, "", "")
+    if not colon:
+        host, port = hostport, ""
+    if host:
+        args["host"] = unquote(host.strip("[]"))
+    if port:
+        args["port"] = port
+    if parts.path.strip("/"):
+        args["dbname"] = unquote(parts.path.lstrip("/"))
+    return args
 
 
 def _find_postgres(url: str, sql: str, params: dict[str, Any], convert, min_revision: str) -> list:
     """Through psycopg directly: SQLAlchemy's import alone would add ~0.3 s to an engine's start."""
-    scheme, _, rest = url.partition("://")
+    scheme = url.partition("://")[0]
     if scheme not in ("postgresql", "postgresql+psycopg"):
         from mla_tune.store.engine import resolve_url
 
@@ -160,22 +179,28 @@ def _find_postgres(url: str, sql: str, params: dict[str, Any], convert, min_revi
             url = resolve_url(url)  # raises for what we cannot use; else it names psycopg
         except ValueError as exc:
             raise StoreError(str(exc)) from None
-        rest = url.partition("://")[2]
+    try:
+        args = _pg_connect_args(url)
+    except ValueError as exc:
+        raise StoreError(scrub(str(exc), url)) from None
     require_driver(url)
     import psycopg
     from psycopg.rows import dict_row
 
     where = mask_url(url)
+    # A read-only session whose lock and statement waits are bounded: a table lock held by a migration or an
+    # operator must not hang a serving engine's start.
+    args["options"] = " ".join(filter(None, (args.get("options", ""), pg_read_options())))
+    args["connect_timeout"] = CONNECT_TIMEOUT_S
     try:
-        with psycopg.connect(f"postgresql://{rest}", connect_timeout=CONNECT_TIMEOUT_S, autocommit=True,
-                             options="-c default_transaction_read_only=on", row_factory=dict_row) as connection:
+        with psycopg.connect(autocommit=True, row_factory=dict_row, **args) as connection:
             try:
                 revisions = [r["version_num"] for r in connection.execute("SELECT version_num FROM alembic_version")]
             except psycopg.errors.UndefinedTable:
                 raise StoreError(f"the database at {where} has no mla-tune tables; "
                                  f"run `mla-tune db upgrade`") from None
             _check_revision(revisions, where, min_revision)
-            return [convert(row) for row in connection.execute(_PARAM.sub(r"%(\1)s", sql), params)]
+            return _convert_all(connection.execute(_PARAM.sub(r"%(\1)s", sql), params), convert, where)
     except psycopg.Error as exc:
         raise translate_error(exc, url, busy_timeout_s=CONNECT_TIMEOUT_S) from None
 

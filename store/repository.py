@@ -10,6 +10,7 @@ transaction (the importer uses it).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from datetime import UTC, datetime
@@ -21,9 +22,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from mla_tune.backends.device import DeviceInfo, SoftwareFingerprint
 from mla_tune.store import codec
-from mla_tune.store.engine import (DEFAULT_BUSY_TIMEOUT_S, StoreError, check_sqlite_file, make_engine,
-                                   mask_url, resolve_url, sqlite_path, translate_error)
-from mla_tune.store.migrate import current_revision, migrate
+from mla_tune.store.engine import (DEFAULT_BUSY_TIMEOUT_S, StoreError, check_sqlite_file, default_sqlite_path,
+                                   make_engine, mask_url, resolve_url, sqlite_path, translate_error)
+from mla_tune.store.migrate import check_known, current_revision, migrate
+from mla_tune.store.schema import HEAD_REVISION
+from mla_tune.store.sqlite_file import CorruptValueError, check_parent
 from mla_tune.store.models import KEY_COLUMNS, DecisionRow, DeviceRow, FingerprintRow, MeasurementRow, RunRow
 from mla_tune.store.records import RUN_STATUSES, Decision, DecisionKey, Measurement, Run
 
@@ -58,13 +61,19 @@ class Store:
     @classmethod
     def open(cls, url: str | None = None, *, create: bool = True,
              busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> Store:
-        """Open the store at `url` (default: `$MLA_TUNE_DB` or the user's SQLite file) and migrate it to head.
+        """Open the store at `url` (default: `$MLA_TUNE_DB` or the user's SQLite file).
 
         Args:
             url: any supported SQLAlchemy URL; None for the default.
-            create: create a missing SQLite file and its directory; with False a
-                missing file is a StoreError.
+            create: create a missing SQLite file and migrate the store to head. With
+                False the store is opened read-only: nothing is created, migrated or
+                written (SQLite `mode=ro`, no journal-mode switch; a read-only
+                PostgreSQL session), and a store not at head is a StoreError.
             busy_timeout_s: how long a write waits for another writer's lock.
+
+        Only the default SQLite file gets its missing directory created; for any
+        other path the directory must exist, and a dangling symbolic link is
+        refused (`StorePathError`).
 
         Raises:
             ValueError: a malformed URL or unknown dialect/driver (nothing created).
@@ -72,31 +81,45 @@ class Store:
         """
         resolved = resolve_url(url)
         path = sqlite_path(resolved)
-        created: str | None = None
+        made: list[str] = []  # files this call created, removed again if opening fails
         if path is not None:
             exists = check_sqlite_file(path, must_exist=not create)
-            if not exists and not os.path.exists(path):
-                created = path
+            if create and not exists:
+                if path == default_sqlite_path() and not os.path.lexists(path):
+                    _make_data_directory(os.path.dirname(path))
+                check_parent(path)
                 parent = os.path.dirname(path)
-                try:
-                    os.makedirs(parent, exist_ok=True)
-                except OSError as exc:
-                    raise StoreError(f"cannot create the data directory {parent}: "
-                                     f"{exc.strerror or exc}") from None
                 if not os.access(parent, os.W_OK | os.X_OK):
                     raise StoreError(f"cannot create {path}: directory {parent} is not writable")
-        store = cls(make_engine(resolved, busy_timeout_s=busy_timeout_s), resolved,
+            if create:
+                made = [path + suffix for suffix in ("", "-wal", "-shm", "-journal")
+                        if not os.path.lexists(path + suffix)]
+        store = cls(make_engine(resolved, busy_timeout_s=busy_timeout_s, read_only=not create), resolved,
                     busy_timeout_s=busy_timeout_s)
         try:
-            store.upgrade()
+            if create:
+                store.upgrade()
+            else:
+                store._check_head()
         except BaseException:
             store.close()
-            if created:  # do not leave a half-made file behind
-                for suffix in ("", "-wal", "-shm", "-journal"):
-                    with contextlib.suppress(OSError):
-                        os.remove(created + suffix)
+            for name in made:  # do not leave a half-made file behind; never remove what was there
+                with contextlib.suppress(OSError):
+                    if os.path.isfile(name) and not os.path.islink(name):
+                        os.remove(name)
             raise
         return store
+
+    def _check_head(self) -> None:
+        """StoreError unless the store is at the schema this mla-tune writes (read-only opens do not migrate)."""
+        revision = self.schema_revision()
+        if revision is None:
+            raise StoreError(f"{self.where} has no mla-tune tables (a database of something else, or never "
+                             f"migrated); run `mla-tune db upgrade`")
+        check_known(revision, self.where)
+        if revision != HEAD_REVISION:
+            raise StoreError(f"{self.where} has schema revision {revision}, older than this mla-tune's "
+                             f"{HEAD_REVISION}; run `mla-tune db upgrade`")
 
     @property
     def where(self) -> str:
@@ -122,6 +145,9 @@ class Store:
             yield
         except SQLAlchemyError as exc:
             raise translate_error(exc, self._url, busy_timeout_s=self.busy_timeout_s) from None
+        except (CorruptValueError, json.JSONDecodeError) as exc:  # a row changed behind our back
+            raise StoreError(f"{self.where} holds a corrupt row ({' '.join(str(exc).split())}); fix or delete "
+                             f"it, or re-run `mla-tune` to tune again") from None
 
     # -- schema ----------------------------------------------------------------------------------
 
@@ -147,6 +173,24 @@ class Store:
             yield self
             return
         with self._errors(), self._write_sessions.begin() as session:
+            self._local.session = session
+            try:
+                yield self
+            finally:
+                self._local.session = None
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Store]:
+        """Make every read inside the block see one consistent state: one read transaction
+        (REPEATABLE READ, read-only on PostgreSQL; SQLite's WAL snapshot), so that a writer
+        committing meanwhile is seen entirely or not at all."""
+        if getattr(self._local, "session", None) is not None:
+            yield self
+            return
+        engine = self._engine
+        if engine.dialect.name == "postgresql":
+            engine = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        with self._errors(), Session(engine, expire_on_commit=False) as session, session.begin():
             self._local.session = session
             try:
                 yield self
@@ -325,6 +369,13 @@ class Store:
         with self._reading() as session:
             rows = session.scalars(select(FingerprintRow).order_by(FingerprintRow.digest)).all()
             return [codec.fingerprint_from(_columns(row)) for row in rows]
+
+
+def _make_data_directory(parent: str) -> None:
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create the data directory {parent}: {exc.strerror or exc}") from None
 
 
 def _columns(row) -> dict:

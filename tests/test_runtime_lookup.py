@@ -379,3 +379,32 @@ def test_packages_missing_from_the_looking_up_process_are_not_judged(tmp_path, m
                         lambda **_: replace(here, kernel_hash="0" * 16))
     stale = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
     assert stale.source == "fallback" and "kernel_hash" in stale.why
+
+
+# --- stored values changed behind mla-tune's back ----------------------------------------------
+
+@pytest.mark.parametrize("assignment", ["margin = 'notanumber'", "margin = X'DEADBEEF'", "noise_margin = 'x'",
+                                        "failures = '{\"FLASHMLA\": 7}'", "scores = '{not json'",
+                                        "kept_static = 'maybe'", "winner = X'00'"])
+def test_a_corrupt_stored_value_falls_back_and_says_which(h100_db, assignment, caplog):
+    path = h100_db.removeprefix("sqlite:///")
+    with closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute(f"UPDATE decisions SET {assignment}")
+    column = assignment.split(" = ")[0]
+    with caplog.at_level(logging.WARNING, logger="mla_tune"):
+        choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=h100_db)
+    assert choice.source == "fallback" and "corrupt row" in choice.why and column in choice.why, choice.why
+    assert len(caplog.records) == 1
+
+
+def test_the_logged_warning_escapes_control_characters(tmp_path, caplog):
+    path = tmp_path / "tuned.db"
+    url = tuned_db(path, decision_for(H100))
+    with closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute("UPDATE decisions SET margin = ?", ("\x1b[2J\nmla-tune: error: forged",))
+    with caplog.at_level(logging.WARNING, logger="mla_tune"):
+        choice = mla_tune.lookup(64, "fp8", device=H100_ARG, db=url)
+    assert choice.source == "fallback"
+    assert choice.source == "fallback" and len(caplog.records) == 1
+    logged = caplog.records[0].getMessage()
+    assert "\x1b" not in logged and "\n" not in logged and "\\x1b[2J" in logged

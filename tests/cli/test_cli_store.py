@@ -51,7 +51,8 @@ def test_unusable_store_is_one_line_and_exit_1(cli, tmp_path, files_under, comma
     before = files_under(tmp_path)
     result = cli("--db", f"sqlite:///{path}", *command)
     assert result.exit_code == 1, result.output
-    assert result.stdout == ""
+    # --json asked for JSON on stdout: a failure is a JSON error object there, and one line on stderr
+    assert result.stdout == "" if "--json" not in command else json.loads(result.stdout)["exit_status"] == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mla-tune: error: ") and "Traceback" not in result.stderr
     assert str(path) in lines[0] or "ffff_newer" in lines[0]
@@ -66,7 +67,7 @@ def test_show_on_a_missing_store_does_not_create_it(cli, tmp_path):
 
 
 def test_db_upgrade_creates_and_show_lists(cli, tmp_path):
-    url = f"sqlite:///{tmp_path / 'data' / 'new.db'}"
+    url = f"sqlite:///{tmp_path / 'new.db'}"
     first = cli("--db", url, "db", "upgrade")
     assert first.exit_code == 0 and "schema at revision" in first.stdout
     assert cli("--db", url, "db", "upgrade").exit_code == 0  # idempotent
@@ -125,11 +126,12 @@ def test_unwritable_data_directory_is_one_line_exit_1(cli, tmp_path, files_under
     blocker.write_text("a file where the data directory should be")
     before = files_under(tmp_path)
     explicit = cli("--db", f"sqlite:///{blocker}/mla-tune/x.db", "db", "upgrade")
-    assert explicit.exit_code == 1 and explicit.stderr.count("\n") == 1
-    assert "cannot create the data directory" in explicit.stderr
+    assert explicit.exit_code == 2 and explicit.stderr.count("\n") == 1   # a named path: its directory must exist
+    assert "does not exist (nothing was created)" in explicit.stderr
     monkeypatch.setenv("XDG_DATA_HOME", str(blocker))  # the default store under an unusable directory
     default = cli("db", "upgrade")
     assert default.exit_code == 1 and default.stderr.startswith("mla-tune: error: ")
+    assert "cannot create the data directory" in default.stderr
     lookup = cli("lookup", "--heads", "64", "--kv-cache-dtype", "bf16", "--device-name", "NVIDIA H200", "--cc", "9.0")
     assert lookup.exit_code == 0 and lookup.stdout.startswith("FLASH_ATTN_MLA (fallback)")
     assert files_under(tmp_path) == before

@@ -146,12 +146,23 @@ def test_directory_at_the_path(tmp_path):
     assert os.listdir(path) == []
 
 
-def test_data_directory_that_cannot_be_created(tmp_path):
+def test_data_directory_that_cannot_be_created(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the data directory should be")
+    monkeypatch.delenv("MLA_TUNE_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(blocker))
     with pytest.raises(StoreError, match="cannot create the data directory") as info:
-        Store.open(f"sqlite:///{blocker}/mla-tune/mla.db")
+        Store.open()   # only the default location gets its directory made
     _assert_one_line(info.value)
+
+
+def test_a_named_path_whose_directory_is_missing_creates_nothing(tmp_path):
+    from mla_tune.store.sqlite_file import StorePathError
+
+    with pytest.raises(StorePathError, match="does not exist") as info:
+        Store.open(f"sqlite:///{tmp_path}/missing/dir/mla.db")
+    _assert_one_line(info.value)
+    assert os.listdir(tmp_path) == []
 
 
 def test_read_only_file_reads_but_refuses_writes(tmp_path):

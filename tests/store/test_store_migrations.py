@@ -113,7 +113,7 @@ def test_newer_schema_sqlite_file_bytes_unchanged(tmp_path):
 
 
 def test_our_kernels_stored_under_vllms_triton_name_are_renamed_and_never_handed_to_vllm(store_url):
-    """Before revision 0003 our Triton kernel was stored as TRITON_MLA, vLLM's name for its own kernel."""
+    """Before revision 0004 our Triton kernel was stored as TRITON_MLA, vLLM's name for its own kernel."""
     import json
 
     with Store.open(store_url) as store:
@@ -153,3 +153,34 @@ def test_our_kernels_stored_under_vllms_triton_name_are_renamed_and_never_handed
 
     handed = decision_for_engine(d, "vllm", plugin_missing=None)
     assert (handed.engine_backend, handed.basis) == (None, "stale")
+
+
+def test_0003_merges_runs_duplicated_by_interleaved_imports_then_keeps_them_unique(store_url):
+    """Two imports of one file used to store its run twice (with every measurement twice): upgrading
+    merges them; afterwards the database itself refuses a second copy of a run."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import IntegrityError
+    from store_samples import FP, H100, key, measurement
+
+    from mla_tune.store.engine import resolve_url
+
+    with Store.open(store_url) as store:
+        store.downgrade("0002")
+        run_id = store.start_run(device=H100, fingerprint=FP, preset="quick", node="n")
+        for kv_len in (1024, 2048, 4096):
+            store.add_measurement(run_id, measurement(key(), kv_len=kv_len))
+    engine = create_engine(resolve_url(store_url))
+    copy_run = ("INSERT INTO runs (device_id, fingerprint_id, sku, preset, node, status, started_at, finished_at) "
+                "SELECT device_id, fingerprint_id, sku, preset, node, status, started_at, finished_at FROM runs")
+    with engine.begin() as connection:   # what the interleaved imports left: the run and its rows twice
+        connection.execute(text(copy_run))
+        second = connection.execute(text("SELECT max(id) FROM runs")).scalar()
+        columns = [c for c in connection.execute(text("SELECT * FROM measurements")).keys() if c not in ("id", "run_id")]
+        connection.execute(text(f"INSERT INTO measurements (run_id, {', '.join(columns)}) "
+                                f"SELECT {second}, {', '.join(columns)} FROM measurements"))
+    with Store.open(store_url) as store:
+        assert store.schema_revision() == HEAD_REVISION
+        assert len(store.runs()) == 1 and len(store.measurements()) == 3
+    with pytest.raises(IntegrityError), engine.begin() as connection:
+        connection.execute(text(copy_run))
+    engine.dispose()

@@ -17,8 +17,8 @@ def store(store_url):
         yield opened
 
 
-def test_open_creates_sqlite_file_and_directory_and_migrates(tmp_path):
-    path = tmp_path / "deep" / "er" / "mla.db"
+def test_open_creates_sqlite_file_and_migrates(tmp_path):
+    path = tmp_path / "mla.db"
     with Store.open(f"sqlite:///{path}") as store:
         assert store.schema_revision() == HEAD_REVISION
         assert store.where == str(path)

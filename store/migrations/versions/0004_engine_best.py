@@ -7,8 +7,8 @@ vLLM's), but its score is dropped where it was our kernel's. `decisions.engine_b
 holds {engine: backend} for decisions that timed the engines' own kernels; it stays NULL for the
 decisions migrated here, which never did, so no engine is handed their answer.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-11-27
 """
 
@@ -19,8 +19,8 @@ import json
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003"
-down_revision = "0002"
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
