@@ -58,6 +58,29 @@ def vllm_plugin_missing() -> str | None:
     return None if status.can_serve else "; ".join(status.reasons)
 
 
+_VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def plugin_refusals(backend: str, key: Mapping | None) -> list[str]:
+    """Why our vLLM backend for `backend` cannot serve a decision key (`DecisionKey.to_dict()` form), in
+    our vLLM backend's own terms (`mla_tune.vllm_backends.capabilities`); empty when it can or `key` is None."""
+    if key is None:
+        return []
+    from mla_tune.vllm_backends.capabilities import BACKENDS as PLUGIN_BACKENDS, refusal_reasons
+
+    caps = PLUGIN_BACKENDS.get(engine_name(backend, "vllm", with_plugin=True) or "")
+    if caps is None:
+        return [f"mla-tune's vLLM plugin has no backend for {backend}"]
+    kv = str(key.get("kv_cache_dtype", ""))
+    rank, rope = (int(x) for x in str(key.get("geometry", "512/64")).split("/")[:2])
+    major, _, minor = str(key.get("compute_capability", "")).partition(".")
+    return refusal_reasons(caps, sparse=bool(key.get("topk")), kv_cache_dtype=_VLLM_DTYPES.get(kv, kv),
+                           model_dtype=_VLLM_DTYPES.get(str(key.get("query_dtype")), key.get("query_dtype")),
+                           num_heads=key.get("num_heads"), block_size=key.get("page_size"),
+                           head_size=rank + rope, kv_lora_rank=rank,
+                           capability=(int(major), int(minor)) if major.isdigit() and minor.isdigit() else None)
+
+
 @dataclass(frozen=True)
 class EngineChoice:
     """The backend to hand an engine, and why.
@@ -94,7 +117,7 @@ def _versus_static(title: str, backend: str, score: float, static_choice: str | 
 
 def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                       engine_best: Mapping[str, str] | None, static_choice: str | None = None,
-                      plugin_missing: str | None = "not checked") -> EngineChoice:
+                      plugin_missing: str | None = "not checked", key: Mapping | None = None) -> EngineChoice:
     """Pick the backend to hand `engine` from one tuned decision.
 
     Args:
@@ -106,6 +129,8 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
         static_choice: vLLM's static choice for the key, for the reason's comparison.
         plugin_missing: why mla-tune's vLLM plugin cannot serve our kernels where the engine runs, None
             when it can (see `vllm_plugin_missing`).
+        key: the decision key (`DecisionKey.to_dict()` form): our kernel goes to vLLM only where our vLLM
+            backend can run that key as it was timed (`plugin_refusals`).
     """
     engine = check_engine(engine)
     title = _TITLES[engine]
@@ -116,6 +141,10 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                             f"to tune again; {title} makes its own choice")
     fastest = scores.get(winner)
     plugin_name = engine_name(winner, engine, with_plugin=True)
+    if engine == "vllm" and plugin_missing is None and plugin_name and not BACKENDS[winner].vllm_name:
+        refused = plugin_refusals(winner, key)
+        if refused:
+            plugin_missing = "; ".join(refused)
     if engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name and plugin_missing is None:
         return EngineChoice(engine, winner, plugin_name, fastest, "winner",
                             f"the fastest kernel {winner} runs in vLLM through mla-tune's plugin as {plugin_name}"
@@ -134,7 +163,7 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
     ratio = f"{score / fastest:.2f}x" if score and fastest else "an unknown multiple of"
     plugin = ""
     if engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name:
-        plugin = f" ({winner} needs mla-tune's vLLM plugin: {plugin_missing})"
+        plugin = f" ({winner} cannot go to vLLM here: {plugin_missing})"
     return EngineChoice(engine, best, mapped, score, "engine_best",
                         f"{title}'s fastest own backend is {best}, {ratio} the time of the fastest kernel "
                         f"{winner}{plugin}" + _versus_static(title, best, score or 1.0, static_choice, scores))
@@ -144,7 +173,7 @@ def decision_for_engine(decision, engine: str, *, plugin_missing: str | None = "
     """`choose_for_engine` applied to a stored `Decision`."""
     return choose_for_engine(winner=decision.winner, scores=decision.scores, engine=engine,
                              engine_best=decision.engine_best, static_choice=decision.static_choice,
-                             plugin_missing=plugin_missing)
+                             plugin_missing=plugin_missing, key=decision.key.to_dict())
 
 
 def choice_for_engine(choice, engine: str, *, plugin_missing: str | None = "not checked") -> EngineChoice:
@@ -159,4 +188,4 @@ def choice_for_engine(choice, engine: str, *, plugin_missing: str | None = "not 
     engine_best = None if choice.engine_best is None else dict(choice.engine_best)
     return choose_for_engine(winner=choice.backend, scores=dict(choice.scores), engine=engine,
                              engine_best=engine_best, static_choice=choice.static_choice,
-                             plugin_missing=plugin_missing)
+                             plugin_missing=plugin_missing, key=dict(choice.key))

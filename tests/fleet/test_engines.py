@@ -51,7 +51,7 @@ def test_vllm_gets_its_fastest_own_kernel_with_how_far_it_is_from_the_fastest():
     assert (got.backend, got.engine_backend, got.basis) == ("FLASHMLA", "FLASHMLA", "engine_best")
     assert "1.30x the time of the fastest kernel MLA_TUNE_TRITON" in got.reason
     assert "static choice FLASH_ATTN_MLA takes 1.15x its time" in got.reason
-    assert "needs mla-tune's vLLM plugin: vLLM is not installed" in got.reason
+    assert "MLA_TUNE_TRITON cannot go to vLLM here: vLLM is not installed" in got.reason
 
 
 def test_our_kernel_goes_to_vllm_only_where_the_plugin_is_installed():
@@ -59,6 +59,22 @@ def test_our_kernel_goes_to_vllm_only_where_the_plugin_is_installed():
                             engine_best={"vllm": "FLASHMLA"}, static_choice="FLASH_ATTN_MLA", plugin_missing=None)
     assert (got.engine_backend, got.basis) == ("MLA_TUNE_TRITON", "winner")
     assert "through mla-tune's plugin" in got.reason
+
+
+def test_our_kernel_is_not_handed_to_vllm_for_a_key_our_vllm_backend_refuses():
+    # Sparse FP8: vLLM stores it as fp8_ds_mla, which our vLLM backend does not read (our timed kernel read a
+    # 576-byte e4m3 cache), so vLLM gets its own fastest backend even with the plugin installed.
+    key = {"sku": "H100", "compute_capability": "9.0", "query_dtype": "bf16", "kv_cache_dtype": "fp8_e4m3",
+           "num_heads": 16, "geometry": "512/64/128/128", "page_size": 64, "topk": 2048, "q_len": 1}
+    got = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
+                            "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
+                            static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key)
+    assert (got.engine_backend, got.basis) == ("FLASHMLA_SPARSE", "engine_best")
+    assert "does not support kv_cache_dtype fp8_e4m3" in got.reason
+    bf16 = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
+                             "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
+                             plugin_missing=None, key=dict(key, kv_cache_dtype="bf16"))
+    assert bf16.engine_backend == "MLA_TUNE_TRITON_SPARSE"
 
 
 def test_a_decision_that_never_timed_vllms_kernels_hands_vllm_nothing():
