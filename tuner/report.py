@@ -220,7 +220,8 @@ def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> li
             static = d.static_choice
             static_text = (f"`{static}` {s[static] / s[best]:.2f}x" if static in s and best in s
                            else f"`{static}` not timed" if static else "-")
-            lines.append(f"| {sku} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | `{fastest}` | "
+            cell = sku.replace("|", "\\|")   # a SKU is "name | cc | memory | pci"
+            lines.append(f"| {cell} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | `{fastest}` | "
                          f"{best_text} | {static_text} |")
     return lines + [""] if len(lines) > 4 else []
 
