@@ -6,8 +6,7 @@ tokens get 2048 top-k positions turned into global cache rows as vLLM's index co
 the exact functions our `forward_mqa` / `_forward_mqa_kernel` call; FlashMLA is called as vLLM's
 `FlashMLAImpl.forward_mqa` and `FlashMLASparseImpl` call it (dense bf16 `flash_mla_with_kvcache`, dense FP8
 `fwd_kvcache_mla_fp8` with an e4m3 query and descales, sparse bf16 `flash_mla_sparse_fwd` with heads padded to a
-multiple of 64, sparse fp8_ds_mla `flash_mla_with_kvcache` with indices, heads padded to 64 or 128; our side of
-sparse fp8_ds_mla is the first `ds_mla` kernel, which our vLLM backend does not offer yet). The query
+multiple of 64; sparse FP8 is left out: our vLLM backend does not read vLLM's fp8_ds_mla cache). The query
 arrives concatenated (vLLM's concat, and its FP8 query quantization, happen before forward_mqa on both sides).
 
 Every output is checked against the float32 reference before anything is timed; times are CUDA-graph replays over
@@ -44,14 +43,14 @@ GRIDS = {
     # (kind, heads, batch, kv_len)
     "quick": [(k, h, b, n) for k in ("dense-bf16", "dense-fp8") for h in (16, 128) for b in (1, 16, 128)
               for n in (1024, 8192, 32768)]
-             + [(k, h, b, 32768) for k in ("sparse-bf16", "sparse-fp8") for h in (16, 32, 64, 128)
+             + [(k, h, b, 32768) for k in ("sparse-bf16",) for h in (16, 32, 64, 128)
                 for b in (1, 16, 128)],
     "full": [(k, h, b, n) for k in ("dense-bf16", "dense-fp8") for h in (16, 32, 64, 128) for b in (1, 4, 16, 64, 128)
              for n in (1024, 4096, 16384, 32768)]
-            + [(k, h, b, 32768) for k in ("sparse-bf16", "sparse-fp8") for h in (16, 32, 64, 128)
+            + [(k, h, b, 32768) for k in ("sparse-bf16",) for h in (16, 32, 64, 128)
                for b in (1, 4, 16, 64, 128)],
     "cpu": [("dense-bf16", 5, 3, 100), ("dense-fp8", 3, 2, 130), ("sparse-bf16", 3, 2, 300),
-            ("sparse-fp8", 3, 2, 300)],
+            ],
 }
 TOLERANCE = {"bf16": 2e-2, "fp8": 1e-1}   # max abs error over the reference's largest |value| (at least 1)
 
@@ -134,17 +133,6 @@ def ours(case: Case, x: dict, scale: float, *, max_seq_len: int | None = None):
                                  scale=scale, k_scale=x["k_scale"])[0]
 
 
-def pack_fp8_ds_mla(kv_fp8: torch.Tensor, k_scale: float) -> torch.Tensor:
-    """vLLM's fp8_ds_mla bytes `[blocks, 64, 656]` holding the same values as a per-tensor e4m3 cache."""
-    blocks = kv_fp8.shape[0]
-    packed = torch.empty(blocks, BLOCK, 656, dtype=torch.uint8, device=kv_fp8.device)
-    packed[..., :512] = kv_fp8[..., :512].view(torch.uint8)
-    scales = torch.full((4,), k_scale, dtype=torch.float32, device=kv_fp8.device)
-    packed[..., 512:528] = scales.view(torch.uint8).expand(blocks, BLOCK, 16)
-    packed[..., 528:] = (kv_fp8[..., 512:].float() * k_scale).to(torch.bfloat16).view(torch.uint8)
-    return packed
-
-
 def flashmla(case: Case, x: dict, scale: float):
     """A callable running vLLM's FlashMLA the way vLLM's FlashMLA backends call it, or a reason it cannot."""
     try:
@@ -179,33 +167,7 @@ def flashmla(case: Case, x: dict, scale: float):
             q_pad[:, :heads] = q
             return fmi.flash_mla_sparse_fwd(q_pad, rows, indices, scale, topk_length=x["valid"])[0][:, :heads]
         return run
-    # sparse-fp8: vLLM's fp8_ds_mla cache and its FP8 sparse decode (heads padded to 64 or 128).
-    packed = pack_fp8_ds_mla(kv, float(x["k_scale"]))
-    padded = 64 if heads <= 64 else 128
-    mixed = heads < 32                                        # vLLM runs such a batch as one sequence of tokens
-    lead = (1, case.batch) if mixed else (case.batch, 1)
-    q_pad = torch.zeros(*lead, padded, 576, dtype=q.dtype, device=q.device)
-    indices = x["rows"].view(*lead, -1)
-    cache_lens = torch.full((lead[0],), max(x["lengths"]), dtype=torch.int32, device=q.device)
-    dummy_table = torch.zeros(lead[0], 1, dtype=torch.int32, device=q.device)
-    sched, _ = fmi.get_mla_metadata()
-
-    def run():
-        q_pad[..., :heads, :].copy_(q.view(*lead, heads, 576))
-        out = fmi.flash_mla_with_kvcache(q=q_pad, k_cache=packed.view(-1, BLOCK, 1, 656), block_table=dummy_table,
-                                         head_dim_v=512, cache_seqlens=cache_lens, tile_scheduler_metadata=sched,
-                                         is_fp8_kvcache=True, indices=indices, softmax_scale=scale)[0]
-        return out.reshape(case.batch, padded, 512)[:, :heads]
-    return run
-
-
-def ours_ds_mla(case: Case, x: dict, scale: float):
-    """Our first fp8_ds_mla kernel (`backends/triton_mla/ds_mla.py`, not offered by the vLLM backend yet) on the
-    same packed cache FlashMLA reads."""
-    from mla_tune.backends.triton_mla.ds_mla import ds_mla_sparse_decode
-
-    packed = pack_fp8_ds_mla(x["kv"], float(x["k_scale"]))
-    return lambda: ds_mla_sparse_decode(x["q"], packed, x["rows"], sm_scale=scale)[0]
+    raise ValueError(f"no FlashMLA path for {case.kind}")
 
 
 def rotation_sets(case: Case, x: dict) -> list[dict]:
@@ -224,8 +186,7 @@ def run_case(case: Case, device, *, timed: bool) -> str:
     x = make_inputs(case, device)
     ref = reference(case, x, scale)
     tol = TOLERANCE["fp8" if case.fp8 else "bf16"] * max(1.0, ref.abs().max().item())
-    factories = {"ours": (lambda xi: ours(case, xi, scale)) if case.kind != "sparse-fp8"
-                 else (lambda xi: ours_ds_mla(case, xi, scale)),
+    factories = {"ours": lambda xi: ours(case, xi, scale),
                  "flashmla": (lambda xi: flashmla(case, xi, scale)) if device.type == "cuda"
                  else (lambda xi: "FlashMLA needs CUDA")}
     if not case.sparse:  # as vLLM's full CUDA graph replays it: planned for max_model_len
@@ -271,7 +232,7 @@ def run_case(case: Case, device, *, timed: bool) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default: quick on CUDA, cpu otherwise")
-    ap.add_argument("--kinds", default="", help="comma-separated subset of dense-bf16,dense-fp8,sparse-bf16,sparse-fp8")
+    ap.add_argument("--kinds", default="", help="comma-separated subset of dense-bf16,dense-fp8,sparse-bf16")
     ap.add_argument("--out", default=None, help="also write the lines to this file")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()

@@ -53,8 +53,7 @@ class VllmBackendCapabilities:
 
 
 _FP8_DS_MLA_WHY = (f"the fp8_ds_mla cache ({FP8_DS_MLA_BYTES_PER_TOKEN} bytes per token: 512 e4m3 values, "
-                   "4 float32 scales per 128 values, 64 bf16 RoPE values) is not read by our sparse kernel "
-                   "(a first fp8_ds_mla kernel exists but is not tuned, so it is not offered); "
+                   "4 float32 scales per 128 values, 64 bf16 RoPE values) is not read by our sparse kernel; "
                    "use --kv-cache-dtype auto (bf16) or FLASHMLA_SPARSE")
 
 DENSE = VllmBackendCapabilities(
