@@ -78,7 +78,7 @@ def missing_module_reason(module: str) -> str | None:
     if spec is None:
         return f"{top} is not installed ({error})"
     if spec.origin in (None, "namespace"):  # every required package has an __init__.py; a bare folder is not it
-        where = ", ".join(spec.submodule_search_locations or ()) or "an unknown place"
+        where = ", ".join(dict.fromkeys(spec.submodule_search_locations or ())) or "an unknown place"
         return f"{top} is not installed (no {top}/__init__.py in {where}: a folder of that name, not the package)"
     name = top
     for part in rest:

@@ -155,7 +155,7 @@ def test_backends_lists_every_backend_with_eligible_or_reasons(cli):
     rows = {row["backend"]: row for row in data["backends"]}
     assert set(rows) == set(BACKENDS)
     assert rows["MLA_TUNE_TRITON"]["eligible"] and rows["MLA_TUNE_TRITON"]["reasons"] == []
-    if not _vllm_installed():   # vLLM's own kernels need vLLM; a folder named vllm (tests/vllm) is not it
+    if not _vllm_installed():   # vLLM's own kernels need vLLM
         assert rows["TRITON_MLA"]["reasons"][-1].startswith("vllm is not installed (")
     assert rows["FLASHINFER_MLA"]["reasons"][0] == "compute capability 9.0 is not supported (needs major {10})"
     assert rows["FLASH_ATTN_MLA"]["reasons"][0] == "kv_cache_dtype fp8_e4m3 not in {bf16, fp16}"
