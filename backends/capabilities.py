@@ -64,7 +64,8 @@ def missing_module_reason(module: str) -> str | None:
     """A sentence if `module` cannot be found, without importing it (nor its parents); None if found.
 
     A dotted name is looked up file by file under its top-level package's folders, so asking for
-    `vllm._flashmla_C` runs no `vllm/__init__.py` (which imports torch).
+    `vllm._flashmla_C` runs no `vllm/__init__.py` (which imports torch). A folder of the top-level name
+    without `__init__.py` (a namespace package, such as a test folder on sys.path) is not the package.
     """
     from importlib.machinery import PathFinder
 
@@ -76,6 +77,9 @@ def missing_module_reason(module: str) -> str | None:
         spec, error = None, str(exc)
     if spec is None:
         return f"{top} is not installed ({error})"
+    if spec.origin in (None, "namespace"):  # every required package has an __init__.py; a bare folder is not it
+        where = ", ".join(dict.fromkeys(spec.submodule_search_locations or ())) or "an unknown place"
+        return f"{top} is not installed (no {top}/__init__.py in {where}: a folder of that name, not the package)"
     name = top
     for part in rest:
         locations = list(spec.submodule_search_locations or ())

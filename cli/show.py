@@ -45,12 +45,37 @@ def decision_rows(decisions, current=None) -> list[list[str]]:
             static += " (kept: within noise)"
         software = f"STALE: {'; '.join(problems)}" if problems else "current"
         rows.append([d.key.sku, d.key.label, d.winner, margin, static, vllm_regret(d),
-                     "; ".join(d.anomalies) or "-", software, d.decided_at or "-"])
+                     "; ".join(d.anomalies) or "-", software, _minute(d.decided_at)])
     return rows
 
 
 DECISION_COLUMNS = ["GPU SKU", "key", "winner", "margin", "vLLM static choice", "vLLM gets", "anomalies",
                     "software", "decided at"]
+
+
+def _minute(stamp: str | None) -> str:
+    """An ISO time as "YYYY-MM-DD HH:MM" (UTC when it says so); unparseable text as it is."""
+    from datetime import datetime, timezone
+
+    if not stamp:
+        return "-"
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if when.tzinfo else \
+        when.strftime("%Y-%m-%d %H:%M")
+
+
+def print_decisions(title: str, decisions, current=None) -> None:
+    """The decision table; decisions of a single GPU SKU name it in the title instead of in every row,
+    which leaves the other columns room to keep names whole."""
+    rows = decision_rows(decisions, current)
+    skus = {row[0] for row in rows}
+    if len(skus) == 1:
+        table(f"{title} on {skus.pop()}", DECISION_COLUMNS[1:], [row[1:] for row in rows])
+    else:
+        table(title, DECISION_COLUMNS, rows)
 
 
 @click.command()
@@ -94,4 +119,4 @@ def show(ctx, as_json: bool, fleet: bool) -> None:
     if not decisions:
         echo(f"no decisions stored in {where} yet; run `mla-tune` on a GPU node to tune")
         return
-    table(f"Decisions in {where}", DECISION_COLUMNS, decision_rows(decisions, current))
+    print_decisions(f"Decisions in {where}", decisions, current)

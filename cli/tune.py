@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mla_tune.cli.output import fail, table, warn
+from mla_tune.cli.output import fail, warn
 from mla_tune.cli.params import db_option
 
 
@@ -113,13 +113,13 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) 
 
 def print_report(report, decisions) -> None:
     """The decision table, then where the time went, notes and what is left."""
-    from mla_tune.cli.show import DECISION_COLUMNS, decision_rows
+    from mla_tune.cli.show import print_decisions
 
     decisions = sorted(decisions, key=lambda d: (d.key.sku, d.key.kv_cache_dtype, d.key.topk, d.key.q_len,
                                                  -d.key.num_heads))
     if decisions:
-        table("Decisions (key, winner, margin over the runner-up, vLLM's static choice, anomalies)",
-              DECISION_COLUMNS, decision_rows(decisions))
+        print_decisions("Decisions (key, winner, margin over the runner-up, vLLM's static choice, anomalies)",
+                        decisions)
     for d in report.decisions:
         for backend, why in sorted(d.failures.items()):
             if not why.startswith("ineligible"):

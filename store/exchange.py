@@ -474,6 +474,7 @@ def decode(documents: list[dict]) -> Incoming:
                 static_score=d["static_score"], noise_margin=d["noise_margin"], kept_static=d["kept_static"],
                 per_shape=tuple(ShapeWinner(**s) for s in d["per_shape"]), anomalies=tuple(d["anomalies"]),
                 failures=dict(d["failures"]), fingerprint=incoming.fingerprints[d["fingerprint"]],
-                gpu_uuids=tuple(d["gpu_uuids"]), decided_at=d["decided_at"])
+                gpu_uuids=tuple(d["gpu_uuids"]), decided_at=d["decided_at"],
+                engine_best=None if d.get("engine_best") is None else dict(d["engine_best"]))
             incoming.decisions.append((decision, d["node"]))
     return incoming

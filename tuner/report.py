@@ -209,6 +209,7 @@ def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> li
              "| GPU SKU | KV | heads | fastest | vLLM's best (x fastest) | vLLM static (x vLLM's best) |",
              "|---|---|---|---|---|---|"]
     for (sku, kv, topk), group in sorted(groups.items()):
+        sku_cell = sku.replace("|", "\\|")  # a SKU names its fields with `|`, which would split the cell
         for d in sorted(group, key=lambda d: d.key.num_heads):
             s = d.scores
             if not s:
@@ -220,8 +221,7 @@ def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> li
             static = d.static_choice
             static_text = (f"`{static}` {s[static] / s[best]:.2f}x" if static in s and best in s
                            else f"`{static}` not timed" if static else "-")
-            cell = sku.replace("|", "\\|")   # a SKU is "name | cc | memory | pci"
-            lines.append(f"| {cell} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | `{fastest}` | "
+            lines.append(f"| {sku_cell} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | `{fastest}` | "
                          f"{best_text} | {static_text} |")
     return lines + [""] if len(lines) > 4 else []
 

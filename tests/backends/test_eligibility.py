@@ -146,13 +146,33 @@ def test_missing_package_reason_carries_the_import_error_text():
         broken_parent, Problem(num_heads=16), DEVICES["SM90"])[0]
 
 
-def test_vllm_only_backends_say_vllm_is_missing_when_it_is():
-    import importlib.util
+def _vllm_installed() -> bool:
+    from importlib import metadata
 
-    if importlib.util.find_spec("vllm") is not None:
+    try:
+        return bool(metadata.version("vllm"))
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def test_vllm_only_backends_say_vllm_is_missing_when_it_is():
+    if _vllm_installed():
         pytest.skip("vllm is installed here")
     reasons = backend_reasons("FLASH_ATTN_MLA", Problem(num_heads=64), DEVICES["SM90"])
     assert reasons == ["vllm is not installed (No module named 'vllm')"]
+
+
+def test_a_folder_named_like_a_package_is_not_the_package(tmp_path, monkeypatch):
+    # A folder `vllm/` without __init__.py on sys.path (a test folder, a config folder in the working
+    # directory) imports as a namespace package; it holds none of vLLM's kernels.
+    if _vllm_installed():
+        pytest.skip("vllm is installed here, and a real package wins over a namespace folder")
+    (tmp_path / "vllm" / "v1").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reasons = backend_reasons("TRITON_MLA", Problem(num_heads=64), DEVICES["SM90"])
+    (reason,) = reasons
+    assert reason.startswith(f"vllm is not installed (no vllm/__init__.py in {tmp_path / 'vllm'}")
+    assert reason.endswith(": a folder of that name, not the package)")
 
 
 def test_eligibility_never_raises_over_a_grid():

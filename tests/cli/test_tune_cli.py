@@ -91,18 +91,27 @@ def test_main_job_tunes_and_prints_the_decision_table(cli, tmp_path, monkeypatch
     # The default preset, on a two-shape grid so that the CPU run stays short.
     monkeypatch.setitem(presets.GRIDS, "default", ((1, 2), (64,), ()))
     db = tmp_path / "t.db"
+    # 16 keys: DeepSeek-V3 (dense) and V3.2 (sparse) x bf16/fp8 KV x 16/32/64/128 heads, 2 shapes each.
+    # The table is as wide as $COLUMNS (160 when piped): pin it, so that the developer's terminal does not matter.
+    monkeypatch.setenv("COLUMNS", "160")
     result = cli("--db", f"sqlite:///{db}", "tune", "--heads", "16,32,64,128")
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    assert "Decisions (key, winner, margin over the runner-up, vLLM's static choice, anomalies)" in out
-    assert out.count("FAKE_GOOD") >= 4 and "50.0% over FAKE_OTHER" in out
+    assert ("Decisions (key, winner, margin over the runner-up, vLLM's static choice, anomalies) on "
+            f"{GPUS[0].sku}") in out
+    # at 160 columns a row of one SKU keeps every cell on one line: names and margins are whole
+    assert out.count("FAKE_GOOD") == 16 and out.count("50.0% over FAKE_OTHER") == 16
+    assert max(len(line) for line in out.splitlines() if line.startswith("│")) <= 160
     assert "FAKE_LIAR cannot win: incorrect at batch" in out
-    assert "Measured 16 of 16 shape(s)" in out and "Time went to: worker start" in out
+    assert "Measured 32 of 32 shape(s)" in out and "Time went to: worker start" in out
+    monkeypatch.setenv("COLUMNS", "80")                    # too narrow for the table: one block per decision
     again = cli("--db", f"sqlite:///{db}")                 # the main job: everything is tuned already
     assert again.exit_code == 0, again.stderr
-    assert "8 key(s) already tuned with this software were skipped" in again.stdout
+    assert "16 key(s) already tuned with this software were skipped" in again.stdout
     assert "Measured 0 of 0 shape(s)" in again.stdout
-    assert "Decisions (key, winner" in again.stdout and again.stdout.count("50.0% over FAKE_OTHER") == 8
+    assert "Decisions (key, winner" in again.stdout and again.stdout.count("margin: 50.0% over FAKE_OTHER") == 16
+    table_text, _, _ = again.stdout.partition("Measured ")
+    assert max(len(line) for line in table_text.splitlines()) <= 80
 
 
 def test_default_gpu_is_the_first_idle_one(monkeypatch):

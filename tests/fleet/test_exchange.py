@@ -68,7 +68,10 @@ def test_two_exports_of_the_same_data_are_byte_identical(tmp_path, source):
 def test_round_trip_reproduces_the_export_byte_for_byte(tmp_path, source, store_url):
     with Store.open(store_url) as store:
         report = import_files(store, [source], decide=decide)
-        assert report.measurements_added == 2 * 46 and report.decisions_saved == 2
+        # 2 keys x (4 timed backends x 15 shapes + 1 ineligible record)
+        assert report.measurements_added == 2 * 61 and report.decisions_saved == 2
+        # engines keep what each is handed: an imported decision is not stale
+        assert [d.engine_best["vllm"] for d in store.decisions()] == ["FLASHMLA", "FLASHMLA"]
         write_export(store, tmp_path / "copy.json", node="node-a")
     assert (tmp_path / "copy.json").read_bytes() == source.read_bytes()
 
@@ -88,7 +91,7 @@ def test_check_reports_and_writes_nothing(source, store_url):
     before = dump_tables(store_url)
     with Store.open(store_url) as store:
         report = import_files(store, [source], check=True, decide=decide)
-    assert report.measurements_added == 92 and any("would add" in line for line in report.lines())
+    assert report.measurements_added == 2 * 61 and any("would add" in line for line in report.lines())
     assert dump_tables(store_url) == before
 
 
@@ -164,7 +167,7 @@ def _measurement(doc, **values):
 
 
 def _triton(doc) -> dict:
-    return next(m for m in doc["content"]["measurements"] if m["backend"] == "TRITON_MLA")
+    return next(m for m in doc["content"]["measurements"] if m["backend"] == "MLA_TUNE_TRITON")
 
 
 HOSTILE = {
@@ -194,7 +197,7 @@ HOSTILE = {
     "huge batch": (lambda raw, doc: _edit(doc, lambda d: _measurement(d, batch_size=10**12)),
                    "batch_size: 1000000000000 is not in"),
     "score below one": (lambda raw, doc: _edit(
-        doc, lambda d: d["content"]["decisions"][0]["scores"].update(TRITON_MLA=0.5)), "is not in [0.999"),
+        doc, lambda d: d["content"]["decisions"][0]["scores"].update(MLA_TUNE_TRITON=0.5)), "is not in [0.999"),
     "unknown dtype": (lambda raw, doc: _edit(
         doc, lambda d: d["content"]["decisions"][0]["key"].update(kv_cache_dtype="fp4")), "'fp4' is not one of"),
     "NaN": (lambda raw, doc: raw.replace(b'"median_ms": 0.', b'"median_ms": NaN, "x": 0.', 1),
@@ -261,21 +264,30 @@ def test_export_records_its_producer_and_the_time_of_its_newest_record(source):
 
 
 def test_a_version_1_file_without_launch_params_is_still_read(tmp_path, source, store_url):
-    # Schema 1 (before measurements had `params`): the same file as written then, checksummed as it was.
+    # Schema 1 (before measurements had `params`, before our kernel had its own name and decisions had
+    # `engine_best`): the same file as written then, checksummed as it was.
     old = json.loads(source.read_text())
     old["schema_version"] = 1
     for m in old["content"]["measurements"]:
         del m["params"]
+        m["backend"] = {"MLA_TUNE_TRITON": "TRITON_MLA"}.get(m["backend"], m["backend"])
+    for d in old["content"]["decisions"]:
+        del d["engine_best"]
+        d["scores"] = {{"MLA_TUNE_TRITON": "TRITON_MLA"}.get(b, b): v for b, v in d["scores"].items()}
     path = tmp_path / "v1.json"
     path.write_bytes(_resigned(old))
     with Store.open(store_url) as store:
         import_files(store, [path], decide=decide)
-        triton = [m for m in store.measurements() if m.backend == "TRITON_MLA"]
+        triton = [m for m in store.measurements() if m.backend == "MLA_TUNE_TRITON"]
+        vllm_triton = [m for m in store.measurements() if m.backend == "TRITON_MLA"]
+        decisions = store.decisions()
     assert triton and all(m.params is None for m in triton)
+    assert not vllm_triton  # the old name was our kernel: vLLM's Triton kernel was never timed
+    assert decisions and all(d.engine_best is None and "MLA_TUNE_TRITON" in d.scores for d in decisions)
 
 
 def test_launch_params_survive_export_and_import(tmp_path, source, store_url):
     with Store.open(store_url) as store:
         import_files(store, [source], decide=decide)
-        triton = [m for m in store.measurements() if m.backend == "TRITON_MLA"]
+        triton = [m for m in store.measurements() if m.backend == "MLA_TUNE_TRITON"]
     assert triton and all(m.params == fleet_data.TRITON_PARAMS for m in triton)

@@ -51,7 +51,21 @@ def test_margin_and_static_choice_are_stated(tmp_path):
     d = decisions[0]
     text = write_report(decisions, measurements, tmp_path).read_text()
     assert f"runner-up `{d.runner_up}` at +{d.margin * 100:.1f}%" in text
-    assert "vLLM static choice `TRITON_MLA`" in text
+    assert "vLLM static choice `FLASHMLA`" in text
+
+
+def test_what_vllm_gets_is_its_fastest_own_backend_against_the_fastest_and_its_static_choice(tmp_path):
+    decisions, measurements = fleet_data.fleet(heads=(64,))
+    d = decisions[0]
+    text = write_report(decisions, measurements, tmp_path).read_text()
+    assert d.winner == "FLASHINFER_FA2_MLA" and d.engine_best["vllm"] == "FLASHMLA"  # vLLM has no FA2 name
+    ratio = d.scores["FLASHMLA"] / d.scores["FLASHINFER_FA2_MLA"]
+    assert f"- vLLM gets: FLASHMLA, {ratio:.2f}x FLASHINFER_FA2_MLA" in text
+    _, _, table = text.partition("## What vLLM gets, by heads per rank")
+    (row,) = [line for line in table.splitlines() if line.startswith("| NVIDIA")]
+    # the SKU's own `|` are escaped, so the row has the header's six cells
+    cells = [c.strip() for c in row.replace("\\|", "/").strip("|").split("|")]
+    assert cells[1:] == ["fp8_e4m3", "64", "`FLASHINFER_FA2_MLA`", f"`FLASHMLA` {ratio:.2f}x", "`FLASHMLA` 1.00x"]
 
 
 def test_key_without_measurements_still_reported(tmp_path):

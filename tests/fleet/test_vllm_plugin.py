@@ -71,11 +71,28 @@ DEEPSEEK_TP8_FP8 = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 
 
 
 def test_tuned_winner_vllm_lacks_becomes_the_best_backend_vllm_has(tuned_db):
-    # The tuned winner (FLASHINFER_FA2_MLA) has no vLLM name; among the scored backends
-    # vLLM has only TRITON_MLA, so that is what the engine gets, as vLLM's enum.
+    # The tuned winner (FLASHINFER_FA2_MLA) has no vLLM name; the decision's engine_best says vLLM's
+    # fastest own backend is FLASHMLA, so that is what the engine gets, as vLLM's enum.
     out, log = run_host(DEEPSEEK_TP8_FP8, env=_enabled(tuned_db))
-    assert out == {"backend": "TRITON_MLA", "is_enum": True}
-    assert "no backend for the tuned winner FLASHINFER_FA2_MLA" in log
+    assert out == {"backend": "FLASHMLA", "is_enum": True}
+    assert "vLLM's fastest own backend is FLASHMLA" in log and "the fastest kernel FLASHINFER_FA2_MLA" in log
+
+
+def test_a_decision_made_before_vllms_kernels_were_timed_is_not_acted_on(tmp_path):
+    # A stale decision (engine_best None) may name a kernel vLLM does not run under that name: vLLM chooses.
+    from dataclasses import replace
+
+    from mla_tune.backends.software import current_fingerprint
+
+    path = tmp_path / "stale.db"
+    with Store.open(f"sqlite:///{path}") as store:
+        k = fleet_data.key(16)
+        ms = fleet_data.measurements(k)
+        store.save_decision(replace(fleet_data.decision(k, ms, fingerprint=current_fingerprint()),
+                                    engine_best=None), node="node-a")
+    out, log = run_host(DEEPSEEK_TP8_FP8, env=_enabled(f"sqlite:///{path}"))
+    assert out["backend"] is None
+    assert "made before mla-tune timed vLLM's own kernels" in log
 
 
 @pytest.mark.parametrize("user", [{"attention_backend": "FLASHMLA"},

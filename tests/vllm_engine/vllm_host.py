@@ -37,8 +37,8 @@ def require_vllm() -> None:
     import pytest
 
     if not real_vllm_installed():
-        pytest.skip("the real vLLM is not installed here; run `pytest -m vllm tests/vllm` in its environment "
-                    "(.ci/vllm-tests)", allow_module_level=True)
+        pytest.skip("the real vLLM is not installed here; run `pytest -m vllm tests/vllm_engine` in its "
+                    "environment (.ci/vllm-tests)", allow_module_level=True)
 
 
 GPU = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "sms": 132, "count": 8}

@@ -1,7 +1,7 @@
 """On a GPU (marker `gpu`): our vLLM backends' launches with vLLM's layouts, against the float32 reference and
 vLLM's FlashMLA where its extensions load (no vLLM install needed: `mla_tune.vllm_backends.launch` imports none).
 
-    PYTHONPATH=$PWD/.vsite python3 -m pytest -m gpu tests/vllm/test_launch_gpu.py -q
+    PYTHONPATH=$PWD/.vsite python3 -m pytest -m gpu tests/vllm_engine/test_launch_gpu.py -q
 """
 
 from __future__ import annotations

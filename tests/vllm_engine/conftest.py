@@ -1,4 +1,7 @@
-"""Tests against the real vLLM 0.33 (marker `vllm`): run with `pytest -m vllm tests/vllm` in vLLM's environment.
+"""Tests against the real vLLM 0.33 (marker `vllm`): run `pytest -m vllm tests/vllm_engine` in vLLM's environment.
+
+The folder is not called `vllm`: on sys.path (pytest puts `tests/` there) it would import as a namespace
+package `vllm` and pass for vLLM in every test that asks whether vLLM is installed.
 
 Without vLLM installed every module here is skipped at collection (`importorskip`).
 """
