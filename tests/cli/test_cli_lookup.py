@@ -74,7 +74,7 @@ def test_vllm_gets_the_fastest_backend_it_runs_under_its_own_name(cli, db):
     assert result.exit_code == 0
     assert result.stdout == "--attention-backend FLASHMLA\n"
     assert ("vLLM's fastest own backend is FLASHMLA, 1.15x the time of the fastest kernel MLA_TUNE_TRITON "
-            "(MLA_TUNE_TRITON needs mla-tune's vLLM plugin: ") in result.stderr
+            "(MLA_TUNE_TRITON cannot go to vLLM here: ") in result.stderr
     assert "it is also vLLM's static choice" in result.stderr
 
 
