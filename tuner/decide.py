@@ -24,7 +24,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mla_tune.backends.device import SoftwareFingerprint
 from mla_tune.backends.engine_names import engine_best
@@ -60,6 +60,70 @@ def _rel_halfwidth(m: Measurement) -> float:
     return max(0.0, (m.ci_high_ms - m.ci_low_ms) / (2.0 * m.median_ms))
 
 
+@dataclass
+class _Evidence:
+    """One key's measurements gathered: median time and mean relative noise per (backend, shape), failures, GPUs."""
+
+    median: dict[tuple[str, tuple[int, int]], float]
+    noise: dict[tuple[str, tuple[int, int]], float]
+    failures: dict[str, str]
+    gpus: set[str]
+
+
+def _gather(key: DecisionKey, measurements: Iterable[Measurement], failures: dict[str, str]) -> _Evidence:
+    """Correct times of `key` by (backend, shape), several GPUs' combined by their median; the first
+    disqualifying outcome of each backend goes to `failures`."""
+    times: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
+    noise: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
+    gpus: set[str] = set()
+    for m in measurements:
+        if m.key != key:
+            continue
+        if m.gpu_uuid:
+            gpus.add(m.gpu_uuid)
+        shape = (m.batch_size, m.kv_len)
+        if m.status == "ok" and m.median_ms is not None and m.median_ms > 0:
+            times[(m.backend, shape)].append(m.median_ms)
+            noise[(m.backend, shape)].append(_rel_halfwidth(m))
+        elif m.status in _DISQUALIFYING and m.backend not in failures:
+            failures[m.backend] = (f"{m.status} at batch {m.batch_size} x kv_len {m.kv_len}: "
+                                   f"{m.reason or 'no reason recorded'}")
+    return _Evidence({k: statistics.median(v) for k, v in times.items()},
+                     {k: statistics.mean(v) for k, v in noise.items()}, failures, gpus)
+
+
+def _qualified(key: DecisionKey, ev: _Evidence, weights: Mapping[tuple[int, int], float]) -> tuple[list[str], list]:
+    """(backends that ran correctly at every covered shape, the covered shapes); a backend missing a shape the
+    others were scored on is disqualified with a reason. Raises NoDecision when none qualifies."""
+    shapes = sorted({shape for _, shape in ev.median if weights.get(shape, 0.0) > 0})
+    if not shapes:
+        reasons = "; ".join(f"{b}: {r}" for b, r in sorted(ev.failures.items())) or "nothing was measured"
+        raise NoDecision(f"no backend has a correct time for {key.label} ({reasons})")
+    backends = sorted({b for b, _ in ev.median} - set(ev.failures))
+    # Shapes nobody qualified reached are dropped (a skipped or unfinished shape).
+    covered = [s for s in shapes if any((b, s) in ev.median for b in backends)]
+    for b in backends:
+        missing = [s for s in covered if (b, s) not in ev.median]
+        if missing:
+            ev.failures[b] = f"not measured at batch {missing[0][0]} x kv_len {missing[0][1]}"
+    backends = [b for b in backends if b not in ev.failures]
+    if not backends:
+        reasons = "; ".join(f"{b}: {r}" for b, r in sorted(ev.failures.items()))
+        raise NoDecision(f"no backend ran correctly at every shape of {key.label} ({reasons})")
+    return backends, covered
+
+
+def _scores(ev: _Evidence, backends: list[str], covered: list, weights) -> tuple[dict, dict, dict]:
+    """(score, weighted mean relative noise, per-shape best time) over the covered shapes."""
+    total_w = sum(weights[s] for s in covered)
+    best = {s: min(ev.median[(b, s)] for b in backends) for s in covered}
+    scores, noise_of = {}, {}
+    for b in backends:
+        scores[b] = math.exp(sum(weights[s] * math.log(ev.median[(b, s)] / best[s]) for s in covered) / total_w)
+        noise_of[b] = sum(weights[s] * ev.noise[(b, s)] for s in covered) / total_w
+    return scores, noise_of, best
+
+
 def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
            weights: Mapping[tuple[int, int], float] | None = None,
            static_choice: str | None = None,
@@ -83,48 +147,11 @@ def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
     Raises:
         NoDecision: no backend has a correct time at any weighted shape.
     """
-    times: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
-    noise: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
-    failures: dict[str, str] = dict(extra_failures or {})
-    gpus: set[str] = set()
-    for m in measurements:
-        if m.key != key:
-            continue
-        if m.gpu_uuid:
-            gpus.add(m.gpu_uuid)
-        shape = (m.batch_size, m.kv_len)
-        if m.status == "ok" and m.median_ms is not None and m.median_ms > 0:
-            times[(m.backend, shape)].append(m.median_ms)
-            noise[(m.backend, shape)].append(_rel_halfwidth(m))
-        elif m.status in _DISQUALIFYING and m.backend not in failures:
-            failures[m.backend] = (f"{m.status} at batch {m.batch_size} x kv_len {m.kv_len}: "
-                                   f"{m.reason or 'no reason recorded'}")
-    median = {k: statistics.median(v) for k, v in times.items()}
+    ev = _gather(key, measurements, dict(extra_failures or {}))
     if weights is None:
-        weights = {shape: 1.0 for _, shape in median}
-    shapes = sorted({shape for _, shape in median if weights.get(shape, 0.0) > 0})
-    if not shapes:
-        reasons = "; ".join(f"{b}: {r}" for b, r in sorted(failures.items())) or "nothing was measured"
-        raise NoDecision(f"no backend has a correct time for {key.label} ({reasons})")
-    backends = sorted({b for b, _ in median} - set(failures))
-    # A backend must have a time at every shape the others were scored on;
-    # shapes nobody qualified reached are dropped (a skipped or unfinished shape).
-    covered = [s for s in shapes if any((b, s) in median for b in backends)]
-    for b in backends:
-        missing = [s for s in covered if (b, s) not in median]
-        if missing:
-            failures[b] = f"not measured at batch {missing[0][0]} x kv_len {missing[0][1]}"
-    backends = [b for b in backends if b not in failures]
-    if not backends:
-        reasons = "; ".join(f"{b}: {r}" for b, r in sorted(failures.items()))
-        raise NoDecision(f"no backend ran correctly at every shape of {key.label} ({reasons})")
-    total_w = sum(weights[s] for s in covered)
-    best = {s: min(median[(b, s)] for b in backends) for s in covered}
-    scores, noise_of = {}, {}
-    for b in backends:
-        log_sum = sum(weights[s] * math.log(median[(b, s)] / best[s]) for s in covered)
-        scores[b] = math.exp(log_sum / total_w)
-        noise_of[b] = sum(weights[s] * statistics.mean(noise[(b, s)]) for s in covered) / total_w
+        weights = {shape: 1.0 for _, shape in ev.median}
+    backends, covered = _qualified(key, ev, weights)
+    scores, noise_of, best = _scores(ev, backends, covered, weights)
     ranked = sorted(backends, key=lambda b: (scores[b], b))
     fastest = ranked[0]
 
@@ -148,14 +175,14 @@ def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
     runner_up = others[0] if others else None
     # Negative when a slower backend was kept within noise (the static choice or the preferred one).
     margin = scores[runner_up] / scores[winner] - 1.0 if runner_up else None
-    if static_choice and static_choice not in scores and static_choice not in failures:
-        failures[static_choice] = "vLLM's static choice was not timed (mla-tune has no adapter for it here)"
-    per_shape = tuple(ShapeWinner(s[0], s[1], min(backends, key=lambda b: (median[(b, s)], b)), best[s])
+    if static_choice and static_choice not in scores and static_choice not in ev.failures:
+        ev.failures[static_choice] = "vLLM's static choice was not timed (mla-tune has no adapter for it here)"
+    per_shape = tuple(ShapeWinner(s[0], s[1], min(backends, key=lambda b: (ev.median[(b, s)], b)), best[s])
                       for s in covered)
     return Decision(key=key, winner=winner, static_choice=static_choice, scores=scores,
                     runner_up=runner_up, margin=margin, static_score=static_score,
                     noise_margin=noise_margin, kept_static=kept_static, per_shape=per_shape,
-                    failures=failures, fingerprint=fingerprint, gpu_uuids=tuple(sorted(gpus)),
+                    failures=ev.failures, fingerprint=fingerprint, gpu_uuids=tuple(sorted(ev.gpus)),
                     decided_at=decided_at, engine_best=engine_best(scores))
 
 
