@@ -11,7 +11,8 @@ import time
 import pytest
 from fault_helpers import CLI, export_file, filled_store, one_error_line, run_cli
 
-from mla_tune.store.exchange import TEMP_MARK, read_export
+from mla_tune.store.exchange import read_export
+from mla_tune.store.safe_write import TEMP_MARK
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +66,13 @@ def test_a_full_disk_fails_in_one_line_and_leaves_no_temporary_file(big_store, t
 
 
 def test_export_syncs_the_file_before_renaming_it(tmp_path, monkeypatch):
-    from mla_tune.store import exchange
+    from mla_tune.store import safe_write
 
     calls = []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("rename"), real_replace(a, b))[1])
-    exchange.write_file(tmp_path / "x.json", b"{}\n")
+    safe_write.write_file(tmp_path / "x.json", b"{}\n")
     assert calls == ["fsync", "rename", "fsync"]     # file, rename, then the directory
 
 
