@@ -88,6 +88,8 @@ def test_vllm_pod_reads_the_table_into_its_attention_flag():
     assert "|| : >" in script  # a failing lookup leaves an empty flag, vLLM still starts
     serve = " ".join(spec["containers"][0]["args"])
     assert "vllm serve" in serve and "$$(cat /mla-tune/vllm-args)" in serve
+    # The lookup hands our kernels only where the plugin is installed: vLLM serves from the image it checked.
+    assert spec["containers"][0]["image"] == init["image"]
     shared = {m["name"] for m in init["volumeMounts"]} & {m["name"] for m in spec["containers"][0]["volumeMounts"]}
     assert "mla-tune" in shared
 
