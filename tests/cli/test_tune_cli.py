@@ -65,6 +65,7 @@ def test_a_busy_gpu_is_reported_and_not_timed(cli, tmp_path, two_gpus):
     assert not db.exists()
 
 
+@pytest.mark.slow
 def test_main_job_tunes_and_prints_the_decision_table(cli, tmp_path, monkeypatch):
     """`mla-tune` with no command, end to end on CPU: real workers and store, fake backends and timing."""
     import dataclasses

@@ -122,6 +122,7 @@ def test_a_dangling_symlink_is_never_deleted_and_missing_directories_never_made(
     assert "cannot write" in line and not (tmp_path / "nonexistent").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.time_limit(120)
 def test_killed_imports_leave_all_or_nothing(tmp_path):
     from store_samples import dump

@@ -71,6 +71,7 @@ def test_export_is_a_snapshot_while_a_tune_writes(store_url, tmp_path):
     assert orphans == [0] * 3      # every measurement was written with its run
 
 
+@pytest.mark.slow
 @pytest.mark.time_limit(120)
 def test_a_long_sqlite_import_holds_the_write_lock_briefly(tmp_path):
     """The import plans from a snapshot without the lock and writes in one short transaction: a writer

@@ -126,6 +126,7 @@ _RUNNER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_killed_tune_resumes_without_measuring_again(env, monkeypatch):
     tmp, workload = env
     db = f"sqlite:///{tmp / 'killed.db'}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from fake_mla_backends import ADAPTERS
 
 from mla_tune.backends.problem import Problem, Shape
@@ -13,6 +14,7 @@ from mla_tune.tuner.worker import Worker
 BENCH = "fake_mla_backends:fake_bench"
 
 
+@pytest.mark.slow
 def test_crashes_hangs_and_lies_are_recorded_and_the_good_backends_are_still_timed(monkeypatch, tmp_path):
     monkeypatch.setenv("MLA_TUNE_FAKE_MS", json.dumps({"FAKE_GOOD": 1.5, "FAKE_OTHER": 2.5}))
     names = ("FAKE_ABORT", "FAKE_GOOD", "FAKE_LIAR", "FAKE_SEGFAULT", "FAKE_HANG", "FAKE_RAISE", "FAKE_OTHER",
