@@ -183,7 +183,4 @@ class BackendInfo:
     vllm_plugin_name: str | None = None
     sglang_name: str | None = None      # SGLang's `--attention-backend` value, when SGLang has it
     summary: str = ""
-    # Said whenever the engine's name is printed (cli/lookup.py still reads it); empty for every entry
-    # now that each engine name is given only to the kernel the engine runs under it.
-    engine_caveat: str = ""
     hardware: dict[str, str] = field(default_factory=dict)  # GPU family -> tested status
