@@ -125,7 +125,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         Capabilities(cc_majors=frozenset({9}), kv_cache_dtypes=_WITH_FP8, page_sizes=frozenset({64}),
                      fp8_quantizes_query=True, required_modules=(*_FLASHMLA, "vllm._flashmla_extension_C")),
         adapter=f"{_VLLM}.flashmla:FlashMLA",
-        vllm_name="FLASHMLA", sglang_name="flashmla",
+        vllm_name="FLASHMLA",
         summary="vLLM's FlashMLA dense decode (FP8: FP8 query and descales, as vLLM calls it)"),
     BackendInfo(
         "FLASHMLA_SPARSE",
@@ -141,7 +141,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         Capabilities(cc_majors=frozenset({9}), kv_cache_dtypes=_BF16_FP16, page_size_multiple=16,
                      required_modules=_FA3),
         adapter=f"{_VLLM}.flash_attn:FlashAttnMLA",
-        vllm_name="FLASH_ATTN_MLA", sglang_name="fa3",
+        vllm_name="FLASH_ATTN_MLA",
         summary="vLLM's FlashAttention 3 with q_v (vllm.vllm_flash_attn)"),
     BackendInfo(
         "FLASH_ATTN_MLA_SPARSE",
@@ -165,7 +165,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         Capabilities(cc_majors=_SM100, kv_cache_dtypes=_WITH_FP8, page_sizes=frozenset({128}),
                      max_heads=128, required_modules=("torch", "vllm", "vllm._C_stable_libtorch")),
         adapter=f"{_VLLM}.cutlass:CutlassMLA",
-        vllm_name="CUTLASS_MLA", sglang_name="cutlass_mla", hardware=_UNTESTED_BLACKWELL,
+        vllm_name="CUTLASS_MLA", hardware=_UNTESTED_BLACKWELL,
         summary="vLLM's CUTLASS SM100 MLA op (heads padded to 128)"),
     BackendInfo(
         "TOKENSPEED_MLA",
