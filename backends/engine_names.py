@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from mla_tune.backends.registry import BACKENDS
 
@@ -74,18 +75,46 @@ def engine_best(scores: Mapping[str, float]) -> dict[str, str]:
     return best
 
 
-def vllm_regret(decision) -> str:
-    """How far vLLM's fastest own backend is from the fastest kernel, and vLLM's static choice from it,
-    for one decision: e.g. "FLASHMLA, 1.30x MLA_TUNE_TRITON; static FLASH_ATTN_MLA 1.05x". "-" when the
-    decision never timed vLLM's kernels."""
-    best = (decision.engine_best or {}).get("vllm")
-    if not best or best not in decision.scores:
-        return "not timed" if decision.engine_best is None else "-"
+@dataclass(frozen=True)
+class VllmGap:
+    """One decision's distance between what vLLM gets and the fastest kernel, and vLLM's static choice.
+
+    Attributes:
+        fastest: the best-scoring backend overall.
+        best: vLLM's fastest own backend (None: the decision never timed vLLM's kernels, or none was scored).
+        best_over_fastest: its score over the fastest's (1.0 when it is the fastest).
+        static: vLLM's static choice for the key.
+        static_over_best: the static choice's score over vLLM's best (None when either was not timed).
+    """
+
+    fastest: str
+    best: str | None
+    best_over_fastest: float | None
+    static: str | None
+    static_over_best: float | None
+
+
+def vllm_gap(decision) -> VllmGap | None:
+    """The `VllmGap` of a decision; None when it scored nothing."""
     scores = decision.scores
+    if not scores:
+        return None
     fastest = min(scores, key=lambda b: (scores[b], b))
-    text = best if fastest == best else f"{best}, {scores[best] / scores[fastest]:.2f}x {fastest}"
+    best = (decision.engine_best or {}).get("vllm")
+    best = best if best in scores else None
     static = decision.static_choice
-    if static and static != best:
-        text += (f"; static {static} {scores[static] / scores[best]:.2f}x" if static in scores
-                 else f"; static {static} not timed")
+    return VllmGap(fastest, best, scores[best] / scores[fastest] if best else None, static,
+                   scores[static] / scores[best] if best and static in scores else None)
+
+
+def vllm_regret(decision) -> str:
+    """`vllm_gap` in words for one decision: e.g. "FLASHMLA, 1.30x MLA_TUNE_TRITON; static FLASH_ATTN_MLA 1.05x";
+    "not timed" when the decision never timed vLLM's kernels."""
+    gap = vllm_gap(decision)
+    if gap is None or gap.best is None:
+        return "not timed" if decision.engine_best is None else "-"
+    text = gap.best if gap.best == gap.fastest else f"{gap.best}, {gap.best_over_fastest:.2f}x {gap.fastest}"
+    if gap.static and gap.static != gap.best:
+        text += (f"; static {gap.static} {gap.static_over_best:.2f}x" if gap.static_over_best is not None
+                 else f"; static {gap.static} not timed")
     return text

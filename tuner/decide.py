@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from mla_tune.backends.device import SoftwareFingerprint
-from mla_tune.backends.engine_names import engine_best
+from mla_tune.backends.engine_names import engine_best, vllm_gap
 from mla_tune.store.records import Decision, DecisionKey, Measurement, ShapeWinner
 
 # The noise margin is the measured relative confidence half-widths of the two
@@ -231,15 +231,11 @@ def find_anomalies(decisions: Sequence[Decision], *,
 def static_loss(decision: Decision, *, threshold: float = STATIC_LOSS_THRESHOLD) -> str | None:
     """A sentence when vLLM's static choice takes more than (1 + threshold) times the time of the fastest
     backend vLLM runs, at this key; None otherwise (or when either was not scored)."""
-    best = (decision.engine_best or {}).get("vllm")
-    static = decision.static_choice
-    if not best or not static or best == static or static not in decision.scores or best not in decision.scores:
+    gap = vllm_gap(decision)
+    if gap is None or gap.static_over_best is None or gap.static_over_best <= 1.0 + threshold:
         return None
-    ratio = decision.scores[static] / decision.scores[best]
-    if ratio <= 1.0 + threshold:
-        return None
-    return (f"vLLM's static choice {static} takes {ratio:.2f}x the time of vLLM's fastest backend {best} "
-            f"at {decision.key.num_heads} heads")
+    return (f"vLLM's static choice {gap.static} takes {gap.static_over_best:.2f}x the time of vLLM's fastest "
+            f"backend {gap.best} at {decision.key.num_heads} heads")
 
 
 def with_anomalies(decisions: Sequence[Decision]) -> list[Decision]:

@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from mla_tune.backends.engine_names import vllm_regret
+from mla_tune.backends.engine_names import vllm_gap, vllm_regret
 from mla_tune.store.records import Decision, DecisionKey, Measurement
 
 _FAILED_MARK = "x"
@@ -211,18 +211,15 @@ def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> li
     for (sku, kv, topk), group in sorted(groups.items()):
         sku_cell = sku.replace("|", "\\|")  # a SKU names its fields with `|`, which would split the cell
         for d in sorted(group, key=lambda d: d.key.num_heads):
-            s = d.scores
-            if not s:
+            gap = vllm_gap(d)
+            if gap is None:
                 continue
-            fastest = min(s, key=lambda b: (s[b], b))
-            best = (d.engine_best or {}).get("vllm")
-            best_text = f"`{best}` {s[best] / s[fastest]:.2f}x" if best in s else (
+            best_text = f"`{gap.best}` {gap.best_over_fastest:.2f}x" if gap.best else (
                 "not timed" if d.engine_best is None else "-")
-            static = d.static_choice
-            static_text = (f"`{static}` {s[static] / s[best]:.2f}x" if static in s and best in s
-                           else f"`{static}` not timed" if static else "-")
-            lines.append(f"| {sku_cell} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | `{fastest}` | "
-                         f"{best_text} | {static_text} |")
+            static_text = (f"`{gap.static}` {gap.static_over_best:.2f}x" if gap.static_over_best is not None
+                           else f"`{gap.static}` not timed" if gap.static else "-")
+            lines.append(f"| {sku_cell} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | "
+                         f"`{gap.fastest}` | {best_text} | {static_text} |")
     return lines + [""] if len(lines) > 4 else []
 
 
