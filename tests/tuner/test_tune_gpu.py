@@ -19,7 +19,7 @@ def test_tune_two_keys_on_this_gpu(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLA_TUNE_LOCK_DIR", str(tmp_path / "locks"))
     device = probe_devices()[0]
-    spec = TuneSpec(heads=(16,), kv_cache_dtypes=("bf16", "fp8"),
+    spec = TuneSpec(models=("deepseek-v3",), heads=(16,), kv_cache_dtypes=("bf16", "fp8"),
                     workload=Workload(shapes=((1, 1024, 1.0), (16, 4096, 1.0))))
     with Store.open(f"sqlite:///{tmp_path / 'gpu.db'}") as store:
         report = tune(spec, store=store, devices=[device], options=TuneOptions(progress=False, max_seconds=0.2))
