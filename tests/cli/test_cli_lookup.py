@@ -200,6 +200,7 @@ def test_probe_with_a_fake_nvml(cli, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml_fake.FakeNVML([nvml_fake.gpu(), nvml_fake.gpu(uuid="GPU-2")]))
     data = json.loads(cli("probe", "--json").stdout)
     assert [d["sku"] for d in data] == ["NVIDIA H100 80GB HBM3 | 9.0 | 80GiB | 0x233010DE"] * 2
+    monkeypatch.setenv("COLUMNS", "160")   # the width of piped output: the name on one line
     table = cli("probe")
     assert table.exit_code == 0 and "NVIDIA H100 80GB HBM3" in table.stdout
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -81,7 +82,9 @@ def test_empty_file(tmp_path):
         assert store.schema_revision() == HEAD_REVISION
 
 
-@pytest.mark.parametrize("content", [os.urandom(4096), b"name,heads\nTRITON_MLA,16\n" * 50, b"x"])
+# Seeded random bytes: the ids are the same in every pytest-xdist worker.
+@pytest.mark.parametrize("content", [random.Random(7).randbytes(4096), b"name,heads\nTRITON_MLA,16\n" * 50, b"x"],
+                         ids=["random-bytes", "csv", "one-byte"])
 def test_not_an_sqlite_file_is_left_untouched(tmp_path, content):
     path = tmp_path / "notes.db"
     path.write_bytes(content)
