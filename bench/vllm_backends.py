@@ -52,7 +52,7 @@ GRIDS = {
              for n in (1024, 4096, 16384, 32768)]
             + [(k, h, b, 32768) for k in ("sparse-bf16",) for h in (16, 32, 64, 128)
                for b in (1, 4, 16, 64, 128)],
-    # the shapes where the capacity plan cost most (batch below 128), dense only
+    # ours against ours_cg below batch 128 (from 128 both take one split), dense only
     "cg": [(k, h, b, n) for k in ("dense-bf16", "dense-fp8") for h in (16, 128) for b in (1, 16, 64)
            for n in (1024, 8192)],
     "cpu": [("dense-bf16", 5, 3, 100), ("dense-fp8", 3, 2, 130), ("sparse-bf16", 3, 2, 300),
@@ -129,7 +129,8 @@ def ours(case: Case, x: dict, scale: float, *, max_seq_len: int | None = None):
     """A callable running our forward_mqa launch on `x` (no allocation beyond what forward_mqa allocates).
 
     `max_seq_len`: what vLLM's metadata says; None = the batch's longest request (an eager step). vLLM captures
-    its full CUDA graphs with max_model_len, and the captured launch keeps the split plan made for it.
+    its full CUDA graphs with max_model_len: the captured launch keeps the tile and split count chosen for it, and
+    sizes each request's splits from its length on the device.
     """
     from mla_tune.vllm_backends.launch import IdentityPages, dense_forward, sparse_forward
 
