@@ -11,9 +11,11 @@ arrives concatenated (vLLM's concat, and its FP8 query quantization, happen befo
 
 Every output is checked against the float32 reference before anything is timed; times are CUDA-graph replays over
 L2-rotated input copies, interleaved (`mla_tune.tuner.timing`). One line per case: the medians, the ratios
-(FlashMLA / ours: above 1, ours is faster) and the errors. Dense cases time ours twice: `ours` planned for the
-batch's longest request (an eager step), `ours_cg` planned for max_model_len, which is how vLLM captures its full
-CUDA graphs (our split plan is fixed at capture; FlashMLA re-plans from the lengths every step).
+(FlashMLA / ours: above 1, ours is faster) and the errors. Dense cases time ours twice: `ours` with vLLM's
+max_seq_len the batch's longest request (an eager step), `ours_cg` with max_seq_len = max_model_len, as vLLM
+captures its full CUDA graphs. Both size each request's splits on the device from its length; what the block
+table's capacity still decides is fixed at capture: the tile (short requests take the tl kernel) and the split
+count's bound. `--spread wide` draws the other requests' lengths from 1..kv_len instead of the top eighth.
 
 vLLM cannot be installed on the lent GPU (torch 2.11); its Python files and FlashMLA extensions can be loaded
 (REFERENCE.md section 6):
@@ -21,6 +23,7 @@ vLLM cannot be installed on the lent GPU (torch 2.11); its Python files and Flas
     ../shared/tools/vllm-kernels --py vllm/third_party --py vllm/__init__.py   # .vllm/*.tar.xz (on the dev machine)
     mkdir -p .vsite && tar -xJf .vllm/vllm-0.33.0-kernels.tar.xz -C .vsite
     PYTHONPATH=$PWD/.vsite python3 bench/vllm_backends.py --grid quick --out $OUT/vllm_backends.txt
+    PYTHONPATH=$PWD/.vsite python3 bench/vllm_backends.py --grid cg   # dense only, ours against ours_cg
 
 Without CUDA it runs our side only, at toy sizes, in Triton's interpreter (TRITON_INTERPRET=1), as a check.
 """
@@ -49,6 +52,9 @@ GRIDS = {
              for n in (1024, 4096, 16384, 32768)]
             + [(k, h, b, 32768) for k in ("sparse-bf16",) for h in (16, 32, 64, 128)
                for b in (1, 4, 16, 64, 128)],
+    # ours against ours_cg below batch 128 (from 128 both take one split), dense only
+    "cg": [(k, h, b, n) for k in ("dense-bf16", "dense-fp8") for h in (16, 128) for b in (1, 16, 64)
+           for n in (1024, 8192)],
     "cpu": [("dense-bf16", 5, 3, 100), ("dense-fp8", 3, 2, 130), ("sparse-bf16", 3, 2, 300),
             ],
 }
@@ -74,12 +80,14 @@ class Case:
         return f"{self.kind:<11} h{self.heads:<3} b{self.batch:<3} kv{self.kv_len:<6}"
 
 
-def make_inputs(case: Case, device, seed: int = 0) -> dict:
+def make_inputs(case: Case, device, seed: int = 0, *, spread: str = "eighth") -> dict:
     """vLLM-layout inputs: cache, permuted block table, lengths, query, and for sparse the top-k rows."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     topk = min(TOPK, case.kv_len) if case.sparse else 0
-    # Ragged lengths: one request at kv_len, the others up to 1/8 shorter (a sparse one keeps >= top-k tokens).
-    shorter = torch.randint(1, max(2, case.kv_len // 8), (case.batch,), generator=g).tolist()
+    # Ragged lengths: one request at kv_len, the others up to 1/8 shorter, or (wide) 1..kv_len tokens (a sparse one
+    # keeps >= top-k tokens).
+    most = case.kv_len if spread == "wide" else max(2, case.kv_len // 8)
+    shorter = torch.randint(1, most, (case.batch,), generator=g).tolist()
     lengths = [case.kv_len] + [max(topk, case.kv_len - cut) for cut in shorter[1:]]
     needed = [-(-n // BLOCK) for n in lengths]
     num_blocks = sum(needed) + 4
@@ -121,7 +129,8 @@ def ours(case: Case, x: dict, scale: float, *, max_seq_len: int | None = None):
     """A callable running our forward_mqa launch on `x` (no allocation beyond what forward_mqa allocates).
 
     `max_seq_len`: what vLLM's metadata says; None = the batch's longest request (an eager step). vLLM captures
-    its full CUDA graphs with max_model_len, and the captured launch keeps the split plan made for it.
+    its full CUDA graphs with max_model_len: the captured launch keeps the tile and split count chosen for it, and
+    sizes each request's splits from its length on the device.
     """
     from mla_tune.vllm_backends.launch import IdentityPages, dense_forward, sparse_forward
 
@@ -181,15 +190,15 @@ def rotation_sets(case: Case, x: dict) -> list[dict]:
     return [x] + [dict(x, q=x["q"].clone(), kv=x["kv"].clone()) for _ in range(copies - 1)]
 
 
-def run_case(case: Case, device, *, timed: bool) -> str:
+def run_case(case: Case, device, *, timed: bool, spread: str = "eighth") -> str:
     scale = 1.0 / math.sqrt(192)
-    x = make_inputs(case, device)
+    x = make_inputs(case, device, spread=spread)
     ref = reference(case, x, scale)
     tol = TOLERANCE["fp8" if case.fp8 else "bf16"] * max(1.0, ref.abs().max().item())
     factories = {"ours": lambda xi: ours(case, xi, scale),
                  "flashmla": (lambda xi: flashmla(case, xi, scale)) if device.type == "cuda"
                  else (lambda xi: "FlashMLA needs CUDA")}
-    if not case.sparse:  # as vLLM's full CUDA graph replays it: planned for max_model_len
+    if not case.sparse:  # as vLLM's full CUDA graph replays it: max_seq_len = max_model_len at capture
         factories["ours_cg"] = lambda xi: ours(case, xi, scale, max_seq_len=MAX_MODEL_LEN)
     working, notes, errors = [], [], {}
     for name, factory in factories.items():
@@ -233,6 +242,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default: quick on CUDA, cpu otherwise")
     ap.add_argument("--kinds", default="", help="comma-separated subset of dense-bf16,dense-fp8,sparse-bf16")
+    ap.add_argument("--spread", choices=("eighth", "wide"), default="eighth",
+                    help="the other requests' lengths: up to 1/8 shorter than kv_len (default) or 1..kv_len")
     ap.add_argument("--out", default=None, help="also write the lines to this file")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -245,12 +256,13 @@ def main(argv=None) -> int:
     if cuda:
         import triton
 
-        lines.append(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+        lines.append(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}, "
+                     f"lengths spread {args.spread}")
     for kind, heads, batch, kv_len in grid:
         if kinds and kind not in kinds:
             continue
         started = time.perf_counter()
-        line = run_case(Case(kind, heads, batch, kv_len), device, timed=cuda)
+        line = run_case(Case(kind, heads, batch, kv_len), device, timed=cuda, spread=args.spread)
         lines.append(f"{line}  ({time.perf_counter() - started:.0f} s)")
         print(lines[-1], flush=True)
     if args.out:

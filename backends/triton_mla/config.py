@@ -92,7 +92,10 @@ class LaunchParams:
         num_splits: programs along the KV axis of one request (flash-decoding).
         split_d: the 512 latent columns as four blocks of 128 (lower register pressure for FP8 casts).
         split_items: KV tokens (dense) or top-k slots (sparse) per split, a multiple of block_n; 0 derives it
-            from the block-table capacity (dense) or top-k (sparse) at launch.
+            from the block-table capacity (dense) or top-k (sparse) at launch; with split_per_request, the
+            shortest split.
+        split_per_request: each request's split size derived on the device from its own length (dense), so one
+            launch (a captured CUDA graph) suits any lengths up to the block table's capacity.
         reload_v: load the tile a second time for `p @ v`, so each load has one consumer Triton can pipeline.
         hoist_pages: 0, or how many lookups a program loads into registers at a time (a power of 2), so no KV
             address depends on a load inside the tile loop.
@@ -118,6 +121,7 @@ class LaunchParams:
     split_scores: bool = False
     opaque_v_cast: bool = False
     warp_specialized: bool = False
+    split_per_request: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
@@ -140,7 +144,7 @@ class LaunchParams:
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
                 f"{'o' if self.opaque_v_cast else ''}{'W' if self.warp_specialized else ''}"
-                f"x{self.num_splits}")
+                f"x{self.num_splits}{'L' if self.split_per_request else ''}")
 
     @property
     def kernel_form(self) -> str:

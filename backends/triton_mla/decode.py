@@ -72,7 +72,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         kv_scale: None, a float, or a 0-d fp32 tensor (real value = stored value x kv_scale).
         topk_indices: int32 `[batch, q_len, topk]` token positions, -1 for unused (sparse).
         params: launch parameters; None derives them from `tile` (or `dispatch.default_tile`), the split
-            count from the block-table capacity (top-k for sparse), so no host sync.
+            count from the block-table capacity (top-k for sparse) and, dense, each request's split size from its
+            length on the device, so no host sync and one captured CUDA graph suits any lengths.
         tile: a `Tile` or its fields as a dict, e.g. the tuner's choice for this device from
             `mla_tune.kernel_tile(...)`; ignored when `params` is given.
 

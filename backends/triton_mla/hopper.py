@@ -46,6 +46,7 @@ def _mla_hopper_kernel(
     SPARSE: gl.constexpr, KV_FP8: gl.constexpr, KV_SCALE_IS_PTR: gl.constexpr, LOAD_REGS: gl.constexpr,
     N_ROWS: gl.constexpr = ROWS, STAGED_LOADERS: gl.constexpr = 1, QK1: gl.constexpr = False,
     MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False, QUERY_IN_CONSUMER: gl.constexpr = False,
+    SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0,
 ):
@@ -59,6 +60,8 @@ def _mla_hopper_kernel(
     else:
         n_items = seq_len
         topk_row = topk_ptr
+    if SPLIT_PER_REQUEST:  # this request's size from its length (tl_kernel.split_size); split_items: the shortest
+        split_items = gl.maximum(gl.cdiv(gl.cdiv(n_items, gl.num_programs(2)), BLOCK_N) * BLOCK_N, split_items)
     start = split * split_items
     end = gl.minimum(start + split_items, n_items)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)

@@ -61,9 +61,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         raise ValueError(f"sparse hoist_pages {params.hoist_pages} is not a multiple of block_n {params.block_n}")
     splits = params.num_splits
     split_items = params.split_items
+    capacity = topk if sparse else block_table.shape[1] * page_size
+    longest_split = triton.cdiv(triton.cdiv(capacity, splits), params.block_n) * params.block_n
     if split_items <= 0:
-        capacity = topk if sparse else block_table.shape[1] * page_size
-        split_items = triton.cdiv(triton.cdiv(capacity, splits), params.block_n) * params.block_n
+        split_items = longest_split
+    if params.split_per_request and sparse:
+        raise ValueError("split_per_request sizes dense splits; a sparse request's length is its top-k")
     o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
     # FP8 tiles multiplied in fp16 with the bf16 query scaled by Q_FP16_SCALE first: the tl kernel where
     # params.fp16_math says so, the Hopper kernel always (an fp16 query needs no scale).
@@ -76,10 +79,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
     grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
-                  KV_SCALE_IS_PTR=scale_is_ptr)
+                  KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request)
     if params.warp_specialized:
+        # per request, the longest split is a full block table's
+        most = max(split_items, longest_split) if params.split_per_request else split_items
         compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params,
-                                  tiles=triton.cdiv(split_items, params.block_n))
+                                  tiles=triton.cdiv(most, params.block_n))
     else:
         compiled = _mla_split_kernel[grid](
             *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,

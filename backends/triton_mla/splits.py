@@ -1,8 +1,10 @@
 """The split model: how many programs share one request's KV range (flash-decoding), and the resulting launch.
 
 A tile becomes `LaunchParams` once its split count is chosen for a shape: from the per-request lengths where they
-are known (`balanced_splits`, in `prepare`), otherwise from the block table's capacity (`choose_splits`, no host
-sync). Either way `batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`).
+are known (`balanced_splits`, in `prepare`), otherwise from the batch, rows and SMs over the block table's
+capacity (`choose_splits`, no host sync). Without lengths a dense launch sizes each request's splits on the device
+from its own length (`split_per_request`), so a CUDA graph captured for a wide block table follows every step's
+lengths. Either way `batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
     """Launch parameters for `tile`, the splits chosen for this shape.
 
     With `lengths` (the per-request lengths, known in `prepare`) splits follow `balanced_splits`; without them
-    (no host sync allowed) every request gets the same split count over `max_items`, the block table's capacity.
+    (no host sync allowed) the split count comes from `choose_splits` over `max_items`, the block table's capacity
+    (top-k for sparse), and a dense request's splits are sized on the device from its length (`split_per_request`,
+    none shorter than the tile's `min_split_tokens`).
     """
     fixed = tile.launch_fields()
     m_blocks = m_blocks_of(tile, num_heads=num_heads, q_len=q_len, sparse=sparse)
@@ -78,7 +82,10 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
         return LaunchParams(num_splits=splits, split_items=split_items, **fixed)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=tile.min_split_tokens, waves=min(tile.per_sm, 4))
-    return LaunchParams(num_splits=splits, **fixed)
+    if sparse or splits == 1:  # top-k slots are every sparse request's length; one split covers any length
+        return LaunchParams(num_splits=splits, **fixed)
+    shortest = triton.cdiv(max(tile.min_split_tokens, tile.block_n), tile.block_n) * tile.block_n
+    return LaunchParams(num_splits=splits, split_items=shortest, split_per_request=True, **fixed)
 
 
 def params_for(tile: Tile | None, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,

@@ -22,6 +22,13 @@ def scratch_per_program(block_h, block_n):
     return 2 * block_h * (block_n + 2)
 
 
+@triton.jit
+def split_size(n_items, num_splits, shortest, BLOCK_N: tl.constexpr):
+    """One request's split under SPLIT_PER_REQUEST: its `n_items` over `num_splits`, rounded up to whole tiles and
+    at least `shortest` (a multiple of BLOCK_N), so `num_splits` splits always cover the request."""
+    return tl.maximum(tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N) * BLOCK_N, shortest)
+
+
 Q_FP16_SCALE = 0.00390625  # 2^-8: the query scale of FP16_MATH, passed as `q_scale` (see _load_q)
 
 
@@ -339,6 +346,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr, KV_CAST: tl.constexpr, KV_SCALE_IS_PTR: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SPLIT_D: tl.constexpr, RELOAD_V: tl.constexpr,
+    SPLIT_PER_REQUEST: tl.constexpr = False,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
     p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
 ):
@@ -356,6 +364,8 @@ def _mla_split_kernel(
     # Fixed-size splits (split_items is a multiple of BLOCK_N): a short request leaves its last
     # splits empty; those store only lse = -inf, and the combine skips them. Split 0 always
     # stores (zeros for an empty request), which is what the one-split direct path needs.
+    if SPLIT_PER_REQUEST:  # this request's size from its length; split_items is the shortest split
+        split_items = split_size(n_items, tl.num_programs(2), split_items, BLOCK_N)
     start = split * split_items
     end = tl.minimum(start + split_items, n_items)
     o_ok = row_ok & ((start < n_items) | (split == 0))
