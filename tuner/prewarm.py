@@ -270,7 +270,7 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
     notes = [f"JIT pre-build of {failure} (the units build it again and record any failure)"
              for failure in pool.failures]
     if built:
-        kinds = ", ".join(f"{n} {KIND_LABELS[kind]}" for kind, n in sorted(pool.builds.items()))
+        kinds = ", ".join(f"{pool.builds[kind]} {label}" for kind, label in KIND_LABELS.items() if pool.builds[kind])
         notes.insert(0, f"JIT pre-build: {built} build(s) ({kinds}) in {n_workers} parallel worker(s); the longest "
                         f"was {pool.longest[1]}, {pool.longest[0]:.1f} s")
     return PrewarmResult(time.monotonic() - started, f"JIT pre-build ({built} builds, {n_workers} workers)", notes)
