@@ -181,7 +181,8 @@ class _Pool:
         self.claimed = enumerated
         self.builds: Counter = Counter()
         self.longest: tuple[float, str] = (0.0, "")
-        self.failures: list[str] = []
+        self.failures: list[str] = []    # built again by the units
+        self.refused: list[str] = []     # ineligible at prepare: nothing to build
         self.evidence: set[str] = set()
 
     def add_triton_jobs(self, facts: dict) -> None:
@@ -216,17 +217,20 @@ class _Pool:
     def record(self, job: CompileJob, result) -> None:
         outcome = result.outcomes.get(job.backend)
         with self.lock:
-            if outcome is not None and outcome.status == "ok" and not result.skipped_reason:
-                self.builds[job.kind] += 1
+            ok = outcome is not None and outcome.status in ("ok", "ineligible") and not result.skipped_reason
+            if ok:
+                # ineligible: the backend refused the problem at prepare, as it will in the units; nothing to build
                 evidence = result.info.get("evidence") or []
                 self.evidence.update(evidence)
                 for build in job.builds:
                     self.marks.mark(build, evidence=evidence, label=job.label())
+            if ok and outcome.status == "ok":
+                self.builds[job.kind] += 1
                 secs = (result.info.get("prepare_s") or {}).get(job.backend, 0.0)
                 self.longest = max(self.longest, (secs, job.label()))
                 return
             why = result.skipped_reason or (f"{outcome.status}: {outcome.reason}" if outcome else "no result")
-            self.failures.append(f"{job.label()}: {why}")
+            (self.refused if ok else self.failures).append(f"{job.label()}: {why}")
 
 
 def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_device: str = "cuda",
@@ -268,7 +272,7 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
     if not pool.failures and pool.enumerated.is_set() and not pool.pending:
         marks.mark(whole, evidence=sorted(pool.evidence), label="every build of a plan")
     notes = [f"JIT pre-build of {failure} (the units build it again and record any failure)"
-             for failure in pool.failures]
+             for failure in pool.failures] + [f"JIT pre-build of {refused}" for refused in pool.refused]
     if built:
         kinds = ", ".join(f"{pool.builds[kind]} {label}" for kind, label in KIND_LABELS.items() if pool.builds[kind])
         notes.insert(0, f"JIT pre-build: {built} build(s) ({kinds}) in {n_workers} parallel worker(s); the longest "
