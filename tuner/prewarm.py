@@ -173,7 +173,8 @@ class _Pool:
 
     def __init__(self, jobs: list[CompileJob], *, plans, marks: BuildMarks, gpu: str, seed: int, adapters,
                  enumerated: bool):
-        self.pending, self.plans, self.marks, self.gpu, self.seed, self.adapters = jobs, plans, marks, gpu, seed, adapters
+        self.pending, self.plans, self.marks = jobs, plans, marks
+        self.gpu, self.seed, self.adapters = gpu, seed, adapters
         self.lock = threading.Lock()
         self.enumerated = threading.Event()
         if enumerated:
@@ -277,7 +278,9 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
         kinds = ", ".join(f"{pool.builds[kind]} {label}" for kind, label in KIND_LABELS.items() if pool.builds[kind])
         notes.insert(0, f"JIT pre-build: {built} build(s) ({kinds}) in {n_workers} parallel worker(s); the longest "
                         f"was {pool.longest[1]}, {pool.longest[0]:.1f} s")
-    return PrewarmResult(time.monotonic() - started, f"JIT pre-build ({built} builds, {n_workers} workers)", notes)
+    label = f"JIT pre-build ({built} builds, {n_workers} workers)" if n_workers else \
+        "JIT pre-build (every build already on disk)"
+    return PrewarmResult(time.monotonic() - started, label, notes)
 
 
 def _run_pool(pool: _Pool, n_workers: int, *, worker_device: str, cuda_visible: str | None, bench: str | None,

@@ -168,7 +168,7 @@ def jit_jobs(plans: Sequence, *, prefixes: Sequence[str] = JIT_PREFIXES,
     seen, jobs = set(), []
     for plan in plans:
         p = plan.work.problem
-        for backend in plan.backends:
+        for backend in plan.backends if plan.todo else ():
             ident = (backend, p.kv_cache_dtype, p.query_dtype, p.geometry, p.page_size, p.topk, p.q_len)
             if not backend.startswith(tuple(prefixes)) or ident in seen:
                 continue

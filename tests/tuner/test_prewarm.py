@@ -147,6 +147,21 @@ def test_worker_reports_its_gpu_and_the_pool_builds_each_launch_once_then_nothin
     prewarm(more, **kw)
     new = {f"16 1 {job.params.label()}" for job in triton_jobs(more, num_sms=4, cc_major=None)} - set(expected)
     assert new and sorted(log.read_text().splitlines()) == sorted(expected + list(new))
+    # A plan never seen whose builds are all marked: listed in this process, no worker started.
+    fewer = prewarm(_plans(problem, ("MLA_TUNE_TRITON", "FAKE_GOOD"), shapes[:2]), **kw)
+    assert fewer.label == "JIT pre-build (every build already on disk)" and fewer.notes == []
+    assert len(log.read_text().splitlines()) == len(expected) + len(new)
+
+
+def test_a_mark_holds_only_while_the_libraries_it_relied_on_exist(tmp_path):
+    library = tmp_path / "fa3.so"
+    library.write_bytes(b"")
+    marks = BuildMarks(fingerprint="f", sku="s", folder=tmp_path / "marks")
+    marks.mark(("build", 1), evidence=[str(library)])
+    assert marks.done(("build", 1)) and not marks.done(("build", 2))
+    assert not BuildMarks(fingerprint="other", sku="s", folder=tmp_path / "marks").done(("build", 1))
+    library.unlink()
+    assert not marks.done(("build", 1))
 
 
 def test_a_failed_build_does_not_fail_the_tune(tmp_path, monkeypatch):
