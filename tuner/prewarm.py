@@ -249,7 +249,7 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
         adapters: backend name -> "module:Class" overrides (tests).
         prefixes: backends that build a JIT library (`variants.JIT_PREFIXES`).
         seed: the units' input seed (our kernel's splits follow the inputs' lengths).
-        max_workers: at most this many workers; None = one per CPU.
+        max_workers: at most this many workers (each holds a CUDA context); None = one per CPU.
     """
     started = time.monotonic()
     marks = marks or BuildMarks(fingerprint=fingerprint, sku=sku)
@@ -273,12 +273,12 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
     if not pool.failures and pool.enumerated.is_set() and not pool.pending:
         marks.mark(whole, evidence=sorted(pool.evidence), label="every build of a plan")
     notes = [f"JIT pre-build of {failure} (the units build it again and record any failure)"
-             for failure in pool.failures] + [f"JIT pre-build of {refused}" for refused in pool.refused]
+             for failure in dict.fromkeys(pool.failures)] + [f"JIT pre-build of {refused}" for refused in pool.refused]
     if built:
         kinds = ", ".join(f"{pool.builds[kind]} {label}" for kind, label in KIND_LABELS.items() if pool.builds[kind])
         notes.insert(0, f"JIT pre-build: {built} build(s) ({kinds}) in {n_workers} parallel worker(s); the longest "
                         f"was {pool.longest[1]}, {pool.longest[0]:.1f} s")
-    label = f"JIT pre-build ({built} builds, {n_workers} workers)" if n_workers else \
+    label = f"JIT pre-build ({built} builds, {n_workers} workers)" if n_workers or pool.failures else \
         "JIT pre-build (every build already on disk)"
     return PrewarmResult(time.monotonic() - started, label, notes)
 

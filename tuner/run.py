@@ -29,6 +29,11 @@ from mla_tune.tuner.progress import TuneProgress
 from mla_tune.tuner.sku_tune import SkuTune
 
 
+# GPU memory a pre-build worker may hold (CUDA context, library workspaces, batch-1 inputs): bounds the workers
+# on a small GPU or MIG instance.
+PREWARM_WORKER_MIB = 2048
+
+
 class TuneError(RuntimeError):
     """The tune cannot start (GPU busy or locked, no backend can run): exit status 1."""
 
@@ -239,7 +244,8 @@ def _prewarm_jit(work: list[tuple[list[DeviceInfo], list[KeyPlan], SoftwareFinge
                              worker_device=options.worker_device, cuda_visible=gpu, bench=options.bench,
                              timeouts_s=dict(options.timeouts_s or {}),
                              adapters=tuple((options.adapters or {}).items()), prefixes=options.jit_prefixes,
-                             seed=options.seed)
+                             seed=options.seed,
+                             max_workers=max(1, mib // PREWARM_WORKER_MIB) if (mib := first.memory_total_mib) else None)
         except Exception as exc:  # noqa: BLE001 - the pre-build is an optimisation; the units build and record
             report.seconds["JIT pre-build (failed)"] += time.monotonic() - started
             report.notes.append(f"JIT pre-build failed, the units build as they go: {type(exc).__name__}: {exc}")
