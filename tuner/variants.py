@@ -108,8 +108,9 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
         form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
                                               sparse=problem.sparse, splits=splits,
                                               tiles=-(-params.split_items // params.block_n)).items()))
+    # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.
     stage1 = ("stage1", problem.kv_cache_dtype, problem.query_dtype, q_len, problem.page_size, problem.sparse,
-              fixed, form, ints)
+              splits > 1, fixed, form, ints)
     if splits == 1:
         return stage1, None
     block_s = 1 << (splits - 1).bit_length()

@@ -4,6 +4,7 @@ failed build never fails the tune."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
@@ -189,3 +190,64 @@ def test_a_failed_build_does_not_fail_the_tune(tmp_path, monkeypatch):
                             "RuntimeError: fake library cannot plan this problem") for n in report.notes), report.notes
     # The build that worked is marked in Triton's cache folder; the plan is not, so the next tune tries again.
     assert len(list(Path(tmp_path / "triton" / "mla-tune-builds").iterdir())) == 1
+
+
+@functools.cache
+def _binder(kernel):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    return create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+
+def _triton_identity(kernel, args, kwargs) -> tuple:
+    """Triton's own in-memory key of a launch (its binder's specialization and options) for sm_90, no GPU needed."""
+    _, specialization, options = _binder(kernel)(*args, **kwargs)
+    return kernel.fn.__name__, repr(specialization), str(options)
+
+
+def test_builds_agree_with_tritons_own_specialization(monkeypatch):
+    """Launches of the tl kernel (the CPU runs no Hopper kernel) and the combine, recorded from the real launcher:
+    two launches share a build here exactly when Triton's binder gives them one key, and a job's batch-1 launch
+    has the key of the unit launch it stands for."""
+    from mla_tune.backends.inputs import make_inputs
+    from mla_tune.backends.triton_mla import combine, launcher, tl_kernel
+    from mla_tune.backends.triton_mla.adapter import PreparedTritonMLA
+
+    recorded = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append(_triton_identity(self.kernel, args, kwargs))
+
+    monkeypatch.setattr(launcher, "_mla_split_kernel", Recorder(tl_kernel._mla_split_kernel))
+    monkeypatch.setattr(launcher, "_mla_combine_kernel", Recorder(combine._mla_combine_kernel))
+
+    def keys(problem, shape, params):
+        recorded.clear()
+        inputs = make_inputs(problem, shape)
+        PreparedTritonMLA(problem, inputs, params).run(inputs)
+        return list(recorded)
+
+    problems = (Problem(num_heads=16), Problem(num_heads=64, kv_cache_dtype="fp8_e4m3"), Problem(num_heads=128),
+                Problem(num_heads=8), Problem(num_heads=32, topk=256), Problem(num_heads=16, q_len=2))
+    shapes = (Shape(1, 64), Shape(3, 700), Shape(8, 2048), Shape(2, 4096), Shape(1, 1000))
+    ours, theirs, launches = {}, {}, 0
+    for problem in problems:
+        for shape in shapes:
+            for params in our_launches(problem, shape, num_sms=132, cc_major=None, seed=0):
+                launches += 1
+                unit = keys(problem, shape, params)
+                assert keys(problem, Shape(1, shape.kv_len), params) == unit   # the job builds what the unit does
+                builds = [b for b in launch_builds(problem, params, kv_len=shape.kv_len) if b is not None]
+                assert len(builds) == len(unit)
+                for build, key in zip(builds, unit):
+                    ours.setdefault(build, set()).add(key)
+                    theirs.setdefault(key, set()).add(build)
+    assert all(len(v) == 1 for v in ours.values())      # never two Triton builds under one of ours
+    assert all(len(v) == 1 for v in theirs.values())    # never one Triton build under two of ours
+    assert len([b for b in ours if b[0] == "stage1"]) < launches    # and launches do share builds
