@@ -237,7 +237,7 @@ def _prewarm_jit(work: list[tuple[list[DeviceInfo], list[KeyPlan], SoftwareFinge
         return
     for group, plans, fp in work:
         first = group[0]
-        gpu = first.uuid or str(first.index)
+        gpu, mib = first.uuid or str(first.index), first.memory_total_mib
         started = time.monotonic()
         try:
             result = prewarm(plans, gpu=gpu, sku=first.sku, fingerprint=fp.digest,
@@ -245,7 +245,7 @@ def _prewarm_jit(work: list[tuple[list[DeviceInfo], list[KeyPlan], SoftwareFinge
                              timeouts_s=dict(options.timeouts_s or {}),
                              adapters=tuple((options.adapters or {}).items()), prefixes=options.jit_prefixes,
                              seed=options.seed,
-                             max_workers=max(1, mib // PREWARM_WORKER_MIB) if (mib := first.memory_total_mib) else None)
+                             max_workers=max(1, mib // PREWARM_WORKER_MIB) if mib else None)
         except Exception as exc:  # noqa: BLE001 - the pre-build is an optimisation; the units build and record
             report.seconds["JIT pre-build (failed)"] += time.monotonic() - started
             report.notes.append(f"JIT pre-build failed, the units build as they go: {type(exc).__name__}: {exc}")
