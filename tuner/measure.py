@@ -79,7 +79,9 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"[:400]
 
 
-def _resolve(name: str, overrides: dict[str, str]):
+def resolve_adapter(name: str, overrides: dict[str, str]):
+    """The adapter class of backend `name`: `overrides`' "module:Class" where it names one (tests), else the
+    registry's."""
     path = overrides.get(name)
     if path is None:
         from mla_tune.backends.registry import load_adapter
@@ -98,7 +100,8 @@ def shape_bytes(problem: Problem, shape: Shape) -> int:
     return int(kv + q)
 
 
-def _is_fatal(exc: BaseException) -> bool:
+def is_fatal(exc: BaseException) -> bool:
+    """Whether `exc` is a CUDA error that leaves the context unusable."""
     text = str(exc)
     return any(marker in text for marker in _FATAL_MARKERS)
 
@@ -124,7 +127,7 @@ def _gpu_steps(prepared: dict, inputs, *, free_bytes: int, emit, backend_of: dic
                                                iterations_per_replay=len(sets))
         except Exception as exc:  # noqa: BLE001 - a failure is data
             on_failure(name, Outcome("failed", reason=f"CUDA graph capture raised {describe_exception(exc)}"))
-            if _is_fatal(exc):
+            if is_fatal(exc):
                 raise PoisonedContext(describe_exception(exc)) from exc
     return steps
 
@@ -255,7 +258,7 @@ class _ShapeRun:
             return None
         except Exception as exc:  # noqa: BLE001 - a failure is data
             failed[step.name] = Outcome("failed", reason=f"prepare or first run raised {describe_exception(exc)}")
-            if self.on_cuda and _is_fatal(exc):
+            if self.on_cuda and is_fatal(exc):
                 failed.report()
                 raise PoisonedContext(describe_exception(exc)) from exc
             return None
@@ -304,7 +307,7 @@ class _ShapeRun:
         else:
             # Which backend broke it is unknown: the parent times each one alone to find out.
             self.emit(("timing_failed", reason, backends))
-        if self.on_cuda and _is_fatal(exc):
+        if self.on_cuda and is_fatal(exc):
             raise PoisonedContext(describe_exception(exc)) from exc
 
     def _sync(self) -> None:
@@ -353,7 +356,7 @@ def _steps(task: ShapeTask, problem, inputs, overrides: dict, emit) -> list[_Ste
     (our Triton kernel; the first candidate is its default) and `task.refine_tiles` is set."""
     steps = []
     for name in task.backends:
-        adapter = _resolve(name, overrides)()
+        adapter = resolve_adapter(name, overrides)()
         choose = getattr(adapter, "tile_candidates", None) if task.refine_tiles else None
         if choose is None:
             steps.append(_Step(name, name, adapter))

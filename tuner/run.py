@@ -24,9 +24,14 @@ from mla_tune.tuner.decide import family, with_anomalies
 from mla_tune.tuner.lock import GpuLock
 from mla_tune.tuner.plan import KeyPlan, check_budget, done_shapes, estimate_s
 from mla_tune.tuner.presets import SHAPE_TIME_CAP_S, TuneSpec, expand_keys
-from mla_tune.tuner.prewarm import JIT_PREFIXES, jit_tasks, prewarm
+from mla_tune.tuner.prewarm import JIT_PREFIXES, prewarm
 from mla_tune.tuner.progress import TuneProgress
 from mla_tune.tuner.sku_tune import SkuTune
+
+
+# GPU memory a pre-build worker may hold (CUDA context, library workspaces, batch-1 inputs): bounds the workers
+# on a small GPU or MIG instance.
+PREWARM_WORKER_MIB = 2048
 
 
 class TuneError(RuntimeError):
@@ -52,8 +57,8 @@ class TuneOptions:
         timeouts_s: per-phase worker timeouts.
         progress: show rich progress bars on stderr.
         node: host name stored with runs and decisions.
-        prewarm: compile JIT backends (names starting with `jit_prefixes`) in parallel
-            workers before timing (`prewarm.py`).
+        prewarm: build what the units would build (JIT libraries of backends whose names start with
+            `jit_prefixes`, our and vLLM's Triton kernels) in parallel workers before timing (`prewarm.py`).
     """
 
     budget_s: float | None = None
@@ -188,7 +193,7 @@ def tune(spec: TuneSpec, *, store, devices: Sequence[DeviceInfo], options: TuneO
                                 for group, plans, _ in work)
         if on_plan is not None:
             on_plan(all_plans, report.estimate_s)
-        _prewarm_jit(all_plans, devices, options, report)
+        _prewarm_jit(work, options, report)
         deadline = started + options.budget_s if options.budget_s is not None else None
         with TuneProgress(enabled=options.progress) as progress:
             for group, plans, fp in work:
@@ -224,18 +229,30 @@ def _plan_skus(spec: TuneSpec, store, devices: Sequence[DeviceInfo], options: Tu
     return work
 
 
-def _prewarm_jit(plans: list[KeyPlan], devices: Sequence[DeviceInfo], options: TuneOptions,
+def _prewarm_jit(work: list[tuple[list[DeviceInfo], list[KeyPlan], SoftwareFingerprint]], options: TuneOptions,
                  report: TuneReport) -> None:
-    """Compile the JIT backends the plans need, in parallel on the first GPU, before any timing."""
-    tasks = (jit_tasks(plans, prefixes=options.jit_prefixes, adapters=tuple((options.adapters or {}).items()))
-             if options.prewarm and devices else [])
-    if not tasks:
+    """Build the kernels each SKU's plans need (JIT libraries, Triton kernels), in parallel on its first GPU,
+    before any timing (`prewarm.py`)."""
+    if not options.prewarm:
         return
-    first = devices[0]
-    seconds, notes = prewarm(tasks, cuda_visible=first.uuid or str(first.index), device=options.worker_device,
-                             bench=options.bench, timeouts_s=dict(options.timeouts_s or {}))
-    report.seconds[f"JIT warm-up ({len(tasks)} builds in parallel)"] += seconds
-    report.notes.extend(notes)
+    for group, plans, fp in work:
+        first = group[0]
+        gpu, mib = first.uuid or str(first.index), first.memory_total_mib
+        started = time.monotonic()
+        try:
+            result = prewarm(plans, gpu=gpu, sku=first.sku, fingerprint=fp.digest,
+                             worker_device=options.worker_device, cuda_visible=gpu, bench=options.bench,
+                             timeouts_s=dict(options.timeouts_s or {}),
+                             adapters=tuple((options.adapters or {}).items()), prefixes=options.jit_prefixes,
+                             seed=options.seed,
+                             max_workers=max(1, mib // PREWARM_WORKER_MIB) if mib else None)
+        except Exception as exc:  # noqa: BLE001 - the pre-build is an optimisation; the units build and record
+            report.seconds["JIT pre-build (failed)"] += time.monotonic() - started
+            report.notes.append(f"JIT pre-build failed, the units build as they go: {type(exc).__name__}: {exc}")
+            continue
+        if result is not None:
+            report.seconds[result.label] += result.seconds
+            report.notes.extend(result.notes)
 
 
 def _refresh_anomalies(store, report: TuneReport, sku: str, fp: SoftwareFingerprint, *, node: str) -> None:

@@ -1,5 +1,8 @@
 """Worker subprocesses: backends run in a spawned process per GPU, with timeouts.
 
+A worker serves `ShapeTask`s (measure one shape) and `CompileJob`s (build one kernel before timing,
+`prewarm.py`).
+
 An illegal memory access, an abort, a segfault, an out-of-memory or a hang
 inside a backend kills or stalls only its worker. The parent notices (the
 pipe closes, or no event arrives within the phase's timeout), records the
@@ -96,18 +99,23 @@ def _worker_main(conn, cuda_visible: str | None, device: str, gpu: str | None,
         # Before torch is imported: this worker sees exactly one GPU, as cuda:0.
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
     from mla_tune.tuner.measure import measure_shape
+    from mla_tune.tuner.prewarm import build_in_worker
+    from mla_tune.tuner.variants import CompileJob
 
     try:
         bench = _load(bench_path)
         import torch  # here, so its import counts as worker start
 
+        facts = {"num_sms": 4, "cc_major": None}   # the CPU interpreter's (`triton_mla.config.sm_count`)
         if device == "cuda":
             torch.cuda.set_device(0)
             torch.cuda.init()
+            props = torch.cuda.get_device_properties(0)
+            facts = {"num_sms": props.multi_processor_count, "cc_major": props.major}
     except Exception as exc:  # noqa: BLE001
         conn.send(("fatal", f"worker could not start: {describe_exception(exc)}"))
         return
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), facts))
     while True:
         try:
             task = conn.recv()
@@ -118,7 +126,10 @@ def _worker_main(conn, cuda_visible: str | None, device: str, gpu: str | None,
             conn.close()
             os._exit(0)
         try:
-            measure_shape(task, conn.send, device=device, gpu=gpu, bench=bench)
+            if isinstance(task, CompileJob):
+                build_in_worker(task, conn.send, device=device)
+            else:
+                measure_shape(task, conn.send, device=device, gpu=gpu, bench=bench)
         except PoisonedContext as exc:
             conn.send(("fatal", f"CUDA context unusable after {exc}"))
             conn.close()
@@ -174,6 +185,7 @@ class Worker:
         self._conn = None
         self.starts = 0
         self.log_path = self.log_dir / "worker-0.log"
+        self.device_facts: dict = {}   # from the worker: num_sms, cc_major of the GPU it sees
 
     def _start(self) -> None:
         self.starts += 1
@@ -191,6 +203,18 @@ class Worker:
                                                                                   self.log_path)
             self.stop()
             raise WorkerStartError(f"could not start a worker for GPU {self.gpu or self.device}: {reason}")
+        self.device_facts = event[2] if len(event) > 2 else {}
+
+    def start(self) -> dict:
+        """Start the worker unless it runs; returns what it found of its GPU (`device_facts`).
+
+        Raises:
+            WorkerStartError: the worker could not start; the message says why.
+        """
+        if self._proc is None or not self._proc.is_alive():
+            self.stop()
+            self._start()
+        return self.device_facts
 
     def _next_event(self, timeout_s: float):
         """The next event, or None when the worker died or said nothing for `timeout_s`."""

@@ -1,0 +1,209 @@
+"""The kernel builds a tune will need, found before any unit runs, one job per distinct build.
+
+A JIT library or a Triton kernel is built the first time a unit prepares it, and the units run one after the
+other, so on a fresh machine their builds add up. This module lists what the units will build, so that
+`prewarm.py` can build it all at once in parallel workers:
+
+- FlashInfer: one module per (backend, dtypes, geometry, page size, top-k, q_len);
+- our Triton kernel: every candidate launch a unit will time (`TritonMLA.tile_candidates`: the same tiles and
+  the same split model, from the device's SM count and compute capability); a launch is one stage-1 compile and,
+  with several splits, one combine compile;
+- vLLM's Triton MLA kernel: one compile per (heads, dtypes, page size, split count).
+
+Builds are told apart by what Triton compiles a kernel for: its constexprs, its launch options and, for each
+integer argument, whether it is 1 or a multiple of 16 (Triton specialises on both). Two units whose launches
+agree on all of that share one build, whatever their batch and lengths; a job builds it at batch 1 with the
+unit's longest length, which gives the same block-table stride and the same split count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mla_tune.backends.problem import Problem, Shape
+
+# Backends whose first prepare compiles for tens of seconds (a JIT library per module).
+JIT_PREFIXES = ("FLASHINFER",)
+OUR_TRITON = ("MLA_TUNE_TRITON", "MLA_TUNE_TRITON_SPARSE")
+VLLM_TRITON = "TRITON_MLA"
+# Build order, longest first, so the longest builds start at once: FlashInfer modules (25-40 s), the
+# warp-specialised Hopper kernel, the tl kernel, vLLM's kernel, then launches kept only for their combine.
+_RANK = {"jit": 0, "hopper": 1, "tl": 2, "vllm": 3, "combine": 4}
+KIND_LABELS = {"jit": "JIT libraries", "hopper": "Hopper kernels", "tl": "tl kernels",
+               "vllm": "vLLM Triton kernels", "combine": "combine kernels"}
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """One build: `backends[0]` prepared and run once at `shape` (untimed, ungated), sent to a worker like a
+    `ShapeTask`.
+
+    Attributes:
+        backends: the one backend to prepare (a tuple, as `Worker.run_shape` expects).
+        problem: the key's problem.
+        shape: a small shape that makes the same build as the units' (batch 1).
+        params: our Triton kernel's launch (`LaunchParams`) a unit will time; None: the adapter's own choice.
+        builds: the build identities this job covers (`launch_builds`); the first is its own.
+        kind: jit (a JIT library), hopper, tl, vllm or combine (`KIND_LABELS`; the queue order).
+        adapters: name -> "module:Class" overrides (tests).
+        max_seconds: unused (no timing); `Worker` reads it.
+    """
+
+    backends: tuple[str, ...]
+    problem: Problem
+    shape: Shape
+    params: object | None = None
+    builds: tuple = ()
+    kind: str = "jit"
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_seconds: float = 0.0
+
+    @property
+    def backend(self) -> str:
+        return self.backends[0]
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self.kind]
+
+    def label(self) -> str:
+        """E.g. `MLA_TUNE_TRITON h64n64w8s2Wx4 (fp8_e4m3 KV, 64 heads)`."""
+        what = f" {self.params.label()}" if self.params is not None else ""
+        return f"{self.backend}{what} ({self.problem.kv_cache_dtype} KV, {self.problem.num_heads} heads)"
+
+
+def int_spec(value: int) -> tuple[bool, bool]:
+    """What Triton specialises an integer argument on: equal to 1, a multiple of 16."""
+    return value == 1, value % 16 == 0
+
+
+def _specs(*values: int) -> tuple:
+    return tuple(int_spec(int(v)) for v in values)
+
+
+def block_table_pages(problem: Problem, kv_len: int) -> int:
+    """The block table's row stride: pages of the longest request (`inputs.scattered_block_table`)."""
+    return -(-kv_len // problem.page_size)
+
+
+def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tuple | None]:
+    """(stage-1 build, combine build or None) of one launch of our kernel (`launcher.launch`'s arguments)."""
+    from mla_tune.backends.triton_mla.config import LAUNCH_FIELDS
+    from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
+
+    heads, q_len, head = problem.num_heads, problem.q_len, problem.geometry.head_size
+    latent, splits, topk = problem.geometry.kv_lora_rank, params.num_splits, problem.topk or 0
+    rows = q_len * heads
+    if splits > 1:
+        o_strides = (splits * rows * latent, rows * latent, heads * latent, latent)
+        l_strides = (splits * rows, rows, heads, 1)
+    else:
+        o_strides, l_strides = (rows * latent, 0, heads * latent, latent), (rows, 0, heads, 1)
+    ints = _specs(heads, topk, q_len * topk, params.split_items, rows * head, heads * head, head,
+                  problem.page_size * head, block_table_pages(problem, kv_len), *o_strides, *l_strides)
+    fixed = tuple((name, getattr(params, name)) for name in LAUNCH_FIELDS if name not in ("num_splits", "split_items"))
+    form = None
+    if params.warp_specialized:
+        form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
+                                              sparse=problem.sparse, splits=splits,
+                                              tiles=-(-params.split_items // params.block_n)).items()))
+    # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.
+    stage1 = ("stage1", problem.kv_cache_dtype, problem.query_dtype, q_len, problem.page_size, problem.sparse,
+              splits > 1, fixed, form, ints)
+    if splits == 1:
+        return stage1, None
+    block_s = 1 << (splits - 1).bit_length()
+    combine = ("combine", problem.query_dtype, block_s, min(block_s, COMBINE_SPLITS_AT_ONCE),
+               _specs(heads, splits, *o_strides, *l_strides, rows * latent, heads * latent, rows, heads))
+    return stage1, combine
+
+
+def unit_lengths(problem: Problem, shape: Shape, *, seed: int) -> list[int]:
+    """What our adapter chooses splits from: the inputs' lengths (dense) or top-k per request (sparse)."""
+    from mla_tune.backends.inputs import ragged_lengths
+
+    if problem.sparse:
+        return [problem.topk] * shape.batch_size
+    return ragged_lengths(shape, page_size=problem.page_size, min_len=problem.q_len, seed=seed)
+
+
+def our_launches(problem: Problem, shape: Shape, *, num_sms: int, cc_major: int | None, seed: int) -> list:
+    """The launches a unit times for our kernel at `shape` (`TritonMLA.tile_candidates`, computed without
+    inputs)."""
+    from mla_tune.backends.triton_mla.dispatch import candidate_tiles
+    from mla_tune.backends.triton_mla.splits import params_for
+
+    lengths = unit_lengths(problem, shape, seed=seed)
+    facts = dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=shape.batch_size,
+                 max_items=max(max(lengths), 1), sparse=problem.sparse,
+                 kv_fp8=problem.kv_cache_dtype == "fp8_e4m3", cc_major=cc_major)
+    out = []
+    for tile in candidate_tiles(**facts):
+        params = params_for(tile, **facts, num_sms=num_sms, lengths=lengths)
+        if params not in out:
+            out.append(params)
+    return out
+
+
+def vllm_build(problem: Problem, kv_len: int, *, num_sms: int) -> tuple:
+    """The build of vLLM's Triton MLA kernel for a unit whose longest request is `kv_len` tokens."""
+    from mla_tune.backends.vllm_kernels.triton import num_kv_splits
+
+    heads, head, latent = problem.num_heads, problem.geometry.head_size, problem.geometry.kv_lora_rank
+    splits = num_kv_splits(kv_len, num_sms)
+    return ("vllm", problem.kv_cache_dtype, problem.query_dtype, heads, problem.page_size, splits,
+            _specs(block_table_pages(problem, kv_len), heads * head, head, problem.page_size * head,
+                   heads * splits * (latent + 1), splits * (latent + 1), heads * latent, heads))
+
+
+def _units(plans: Sequence) -> Iterable[tuple[Problem, tuple[str, ...], Shape]]:
+    for plan in plans:
+        for shape in plan.todo:
+            yield plan.work.problem, plan.backends, shape
+
+
+def jit_jobs(plans: Sequence, *, prefixes: Sequence[str] = JIT_PREFIXES,
+             adapters: tuple[tuple[str, str], ...] = ()) -> list[CompileJob]:
+    """One job per (JIT backend, dtypes, geometry, page size, top-k, q_len) the plans time."""
+    seen, jobs = set(), []
+    for plan in plans:
+        p = plan.work.problem
+        for backend in plan.backends if plan.todo else ():
+            ident = (backend, p.kv_cache_dtype, p.query_dtype, p.geometry, p.page_size, p.topk, p.q_len)
+            if not backend.startswith(tuple(prefixes)) or ident in seen:
+                continue
+            seen.add(ident)
+            jobs.append(CompileJob((backend,), p, Shape(1, max(2 * p.page_size, p.q_len + 1)), builds=(ident,),
+                                   adapters=adapters))
+    return jobs
+
+
+def triton_jobs(plans: Sequence, *, num_sms: int, cc_major: int | None, seed: int = 0,
+                adapters: tuple[tuple[str, str], ...] = ()) -> list[CompileJob]:
+    """One job per distinct Triton build of the plans' units (ours and vLLM's), longest first.
+
+    A launch of our kernel gets a job when its stage-1 build is new; one whose stage 1 is already covered but
+    whose combine is new gets a job of kind `combine`, queued last (by then its stage 1 is in the cache).
+    """
+    seen: set = set()
+    jobs: list[CompileJob] = []
+    for problem, backends, shape in _units(plans):
+        for backend in backends:
+            if backend in OUR_TRITON:
+                for params in our_launches(problem, shape, num_sms=num_sms, cc_major=cc_major, seed=seed):
+                    stage1, combine = launch_builds(problem, params, kv_len=shape.kv_len)
+                    new = [b for b in (stage1, combine) if b is not None and b not in seen]
+                    if not new:
+                        continue
+                    seen.update(new)
+                    kind = ("hopper" if params.warp_specialized else "tl") if stage1 in new else "combine"
+                    jobs.append(CompileJob((backend,), problem, Shape(1, shape.kv_len), params=params,
+                                           builds=tuple(new), kind=kind, adapters=adapters))
+            elif backend == VLLM_TRITON:
+                build = vllm_build(problem, shape.kv_len, num_sms=num_sms)
+                if build not in seen:
+                    seen.add(build)
+                    jobs.append(CompileJob((backend,), problem, Shape(1, shape.kv_len), builds=(build,),
+                                           kind="vllm", adapters=adapters))
+    return sorted(jobs, key=lambda job: job.rank)
