@@ -119,10 +119,32 @@ def _run(spec, params, *, device, seed) -> dict:
     return run_vllm(case) if params == "vllm" else run_decode(case, params)
 
 
+def run_adapter(heads: int, batch: int, kv_len: int, topk: int, *, device) -> dict:
+    """The tuner's path: an fp8_ds_mla problem's e4m3 inputs, packed by `adopt` on every rotated copy (untimed),
+    against the reference on the e4m3 cache (the packing is exact up to the bf16 RoPE)."""
+    from mla_tune.backends.inputs import make_inputs
+    from mla_tune.backends.interface import adopt_rotation
+    from mla_tune.backends.problem import Problem, Shape
+    from mla_tune.backends.triton_mla.adapter import TritonMLASparse
+
+    problem = Problem(num_heads=heads, kv_cache_dtype="fp8_ds_mla", page_size=64, topk=topk)
+    inputs = make_inputs(problem, Shape(batch, kv_len), device=device, seed=5)
+    rotated = inputs.with_data(inputs.q.clone(), inputs.kv_cache.clone())
+    prepared = TritonMLASparse().prepare(problem, inputs)
+    adopt_rotation(prepared, [inputs, rotated])
+    ref = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                        kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices)
+    result = errors(*prepared.run(rotated), *ref)
+    result.update(tl=not prepared.params.warp_specialized, packed=len(prepared._packed), some_unseen=True)
+    return result
+
+
 def _worker() -> None:
     """Subprocess entry: CPU_CASES under TRITON_INTERPRET=1, printed as JSON."""
-    print(json.dumps({name: _run(spec, params, device="cpu", seed=i)
-                      for i, (name, (spec, params)) in enumerate(CPU_CASES.items())}))
+    results = {name: _run(spec, params, device="cpu", seed=i)
+               for i, (name, (spec, params)) in enumerate(CPU_CASES.items())}
+    results["adapter_h19"] = run_adapter(19, 3, 300, 64, device="cpu")
+    print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +166,12 @@ def _check(result: dict) -> None:
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_interpreted_ds_mla_matches_reference(interpreted_results, case):
     _check(interpreted_results[case])
+
+
+def test_interpreted_adapter_times_the_packed_rows(interpreted_results):
+    result = interpreted_results["adapter_h19"]
+    assert not result["nan"] and result["rel_err"] < REL_TOL and result["lse_err"] < LSE_TOL, result
+    assert result["tl"] and result["packed"] == 2  # every rotated copy packed once, before any timed run
 
 
 def test_hopper_forms_refuse_ds_mla_and_the_dispatch_keeps_it_on_tl_tiles():
@@ -195,6 +223,15 @@ def test_gpu_ds_mla_topk2048(heads, batch, page_size, gap_rows):
                 gap_rows=gap_rows)
     _check(_run(spec, None, device="cuda", seed=heads + batch))
     _check(_run(spec, "vllm", device="cuda", seed=heads + batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 19, 32, 64, 128])
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_gpu_ds_mla_adapter(heads, batch):
+    result = run_adapter(heads, batch, 6000, 2048, device="cuda")
+    assert not result["nan"] and result["rel_err"] < REL_TOL and result["lse_err"] < LSE_TOL, result
+    assert result["tl"] and result["packed"] == 2
 
 
 @pytest.mark.gpu
