@@ -211,7 +211,7 @@ def _flashmla_sparse_fp8(fmi, case: Case, x: dict, scale: float):
         out, _ = fmi.flash_mla_with_kvcache(q=q_pad, k_cache=k_cache, block_table=dummy_table, head_dim_v=512,
                                             cache_seqlens=cache_lens, tile_scheduler_metadata=sched,
                                             is_fp8_kvcache=True, indices=indices, softmax_scale=scale)
-        return out[..., :heads, :].reshape(batch, heads, 512)
+        return out[0, :, :heads] if lead[0] == 1 and batch > 1 else out[:, 0, :heads]
     return run
 
 
