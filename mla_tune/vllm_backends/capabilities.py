@@ -23,7 +23,8 @@ class VllmBackendCapabilities:
         kv_lora_rank: the latent width the kernel is built for.
         model_dtypes: the model (query) dtypes, as torch names without the `torch.` prefix.
         kv_cache_dtypes: vLLM `--kv-cache-dtype` values the kernel reads as they are stored.
-        fp8_kv_cache_dtypes: the subset stored as e4m3 with vLLM's per-tensor `k_scale`.
+        fp8_kv_cache_dtypes: the subset stored as e4m3 (with vLLM's per-tensor `k_scale`, or fp8_ds_mla's own
+            scales), read from `min_fp8_capability`.
         refused_kv_cache_dtypes: kv-cache dtypes vLLM could ask for that we refuse, each with why.
         block_size_multiple: vLLM's block size must be a multiple of this.
         min_capability: the lowest compute capability (major, minor).
