@@ -8,9 +8,9 @@ is loaded once as `[BLOCK_N, 576]` and used twice: transposed for the scores `q 
 columns) for `p @ v`. FP8 e4m3 tiles are cast right after the load; the per-tensor scale is folded into the score
 scale and applied once to the output, so the cast is exact. vLLM's fp8_ds_mla rows (DS_MLA: 512 e4m3 values,
 four float32 scales, one per 128 columns, 64 bf16 RoPE values) are read in place: the e4m3 columns are cast exactly
-as above and each group's scores and probabilities are multiplied by its tokens' scales. The m-block is the fastest grid dimension, so programs
-that read the same KV range run side by side and the second read hits L2. The partials are merged by
-`combine._mla_combine_kernel`.
+as above and each group's scores and probabilities are multiplied by its tokens' scales. The m-block is the fastest
+grid dimension, so programs that read the same KV range run side by side and the second read hits L2. The partials
+are merged by `combine._mla_combine_kernel`.
 """
 
 from __future__ import annotations
