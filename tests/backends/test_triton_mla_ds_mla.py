@@ -139,11 +139,31 @@ def run_adapter(heads: int, batch: int, kv_len: int, topk: int, *, device) -> di
     return result
 
 
+def run_tuner() -> dict:
+    """The tuner's measurement of an fp8_ds_mla key on CPU: every candidate tile run once (made-up times, the real
+    kernel on the rotated, adopted copies) and gated against the float32 reference."""
+    from mla_tune.backends.problem import Problem, Shape
+    from mla_tune.tuner.measure import ShapeTask, measure_shape
+    from mla_tune.tuner.timing import Timing
+
+    def real_runs(steps, **_):
+        return {name: (step(), Timing(1.0, 1.0, 1.0, 3, 1, ()))[1] for name, step in steps.items()}
+
+    events = []
+    problem = Problem(num_heads=19, kv_cache_dtype="fp8_ds_mla", page_size=64, topk=64)
+    measure_shape(ShapeTask(problem, Shape(2, 200), ("MLA_TUNE_TRITON_SPARSE",)), events.append, device="cpu",
+                  bench=real_runs)
+    out = {e[1]: e[2] for e in events if e[0] == "result"}["MLA_TUNE_TRITON_SPARSE"]
+    return {"status": out.status, "rel_error": out.rel_error, "reason": out.reason,
+            "candidates": (out.params or {}).get("candidates"), "rejected": (out.params or {}).get("rejected")}
+
+
 def _worker() -> None:
     """Subprocess entry: CPU_CASES under TRITON_INTERPRET=1, printed as JSON."""
     results = {name: _run(spec, params, device="cpu", seed=i)
                for i, (name, (spec, params)) in enumerate(CPU_CASES.items())}
     results["adapter_h19"] = run_adapter(19, 3, 300, 64, device="cpu")
+    results["tuner"] = run_tuner()
     print(json.dumps(results))
 
 
@@ -172,6 +192,12 @@ def test_interpreted_adapter_times_the_packed_rows(interpreted_results):
     result = interpreted_results["adapter_h19"]
     assert not result["nan"] and result["rel_err"] < REL_TOL and result["lse_err"] < LSE_TOL, result
     assert result["tl"] and result["packed"] == 2  # every rotated copy packed once, before any timed run
+
+
+def test_interpreted_tuner_gates_every_candidate_on_the_packed_rows(interpreted_results):
+    result = interpreted_results["tuner"]
+    assert result["status"] == "ok" and result["rel_error"] < REL_TOL, result
+    assert result["candidates"] >= 2 and not result["rejected"], result
 
 
 def test_hopper_forms_refuse_ds_mla_and_the_dispatch_keeps_it_on_tl_tiles():
