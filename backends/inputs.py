@@ -160,7 +160,8 @@ def make_inputs(problem: Problem, shape: Shape, *, device="cpu", seed: int = 0,
                     generator=gen, device=device, dtype=q_dtype)
     kv_shape = (num_pages, problem.page_size, geo.head_size)
     kv_scale = None
-    if problem.kv_cache_dtype == "fp8_e4m3":
+    # fp8_ds_mla: this e4m3 cache too; the backends that read vLLM's 656-byte rows convert it untimed (`adopt`)
+    if problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"):
         stored = torch.randn(kv_shape, generator=gen, device=device, dtype=torch.bfloat16)
         stored.mul_(_FP8_STORED_STD).clamp_(-448.0, 448.0)
         kv_cache = stored.to(torch.float8_e4m3fn)
@@ -171,7 +172,7 @@ def make_inputs(problem: Problem, shape: Shape, *, device="cpu", seed: int = 0,
                                dtype=_torch_dtype(problem.kv_cache_dtype))
     else:
         raise ValueError(f"make_inputs cannot build kv_cache_dtype {problem.kv_cache_dtype!r}; "
-                         "supported: bf16, fp16, fp8_e4m3")
+                         "supported: bf16, fp16, fp8_e4m3, fp8_ds_mla")
     return DecodeInputs(
         q=q, kv_cache=kv_cache,
         block_table=torch.tensor(table, dtype=torch.int32, device=device),

@@ -103,7 +103,8 @@ def check_inputs(problem: Problem, inputs: DecodeInputs) -> None:
     if kv.dim() != 3 or kv.shape[1] != problem.page_size or kv.shape[2] != geo.head_size:
         raise ValueError(f"kv_cache has shape {tuple(kv.shape)}; expected [num_pages, "
                          f"{problem.page_size}, {geo.head_size}]")
-    want_kv = torch.float8_e4m3fn if problem.kv_cache_dtype == "fp8_e4m3" else want_q
+    # fp8_ds_mla problems get the same per-tensor e4m3 cache; its readers convert it untimed (`adopt`)
+    want_kv = torch.float8_e4m3fn if problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla") else want_q
     if kv.dtype != want_kv:
         raise ValueError(f"kv_cache has dtype {kv.dtype}; expected {want_kv}")
     if want_kv == torch.float8_e4m3fn and inputs.kv_scale is None:

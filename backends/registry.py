@@ -192,13 +192,14 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         summary="mla-tune's Triton decode kernel (FP8 dequantised on load)"),
     BackendInfo(
         "MLA_TUNE_TRITON_SPARSE",
-        Capabilities(**_TRITON, dense=False, sparse=True),
+        # fp8_ds_mla: vLLM's 656-byte rows, packed from the FP8 cache untimed and read in place by the tl kernel.
+        Capabilities(**{**_TRITON, "kv_cache_dtypes": _WITH_FP8 | {"fp8_ds_mla"}}, dense=False, sparse=True),
         adapter="mla_tune.backends.triton_mla.adapter:TritonMLASparse",
         vllm_plugin_name="MLA_TUNE_TRITON_SPARSE",
         summary="mla-tune's Triton sparse (top-k) decode kernel"),
     BackendInfo(
         "TORCH_REFERENCE",
-        Capabilities(kv_cache_dtypes=_WITH_FP8, dense=True, sparse=True, kv_lora_ranks=None,
+        Capabilities(kv_cache_dtypes=_WITH_FP8 | {"fp8_ds_mla"}, dense=True, sparse=True, kv_lora_ranks=None,
                      qk_rope_head_dims=None, required_modules=("torch",), candidate=False),
         adapter="mla_tune.backends.reference:TorchReference",
         summary="float32 PyTorch reference (the correctness oracle; never a winner)"),

@@ -10,14 +10,23 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.config import D_LATENT, PARAM_SPACE, LaunchParams, Tile, cc_major, sm_count
-from mla_tune.backends.triton_mla.dispatch import candidate_tiles
+from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
 from mla_tune.backends.triton_mla.launcher import launch
 from mla_tune.backends.triton_mla.splits import params_for
 from mla_tune.backends.triton_mla.workspace import Workspace
 
 
+def reads_ds_mla(problem: Problem) -> bool:
+    """Whether the kernel reads vLLM's fp8_ds_mla rows for `problem` (what vLLM hands it for that cache dtype)."""
+    return problem.kv_cache_dtype == "fp8_ds_mla"
+
+
 class PreparedTritonMLA:
-    """Outputs and split workspace allocated once; `run` only enqueues the kernels."""
+    """Outputs and split workspace allocated once; `run` only enqueues the kernels.
+
+    For an fp8_ds_mla problem `adopt` packs each input set's e4m3 cache into vLLM's 656-byte rows (untimed, as
+    FLASHMLA_SPARSE's adapter does) and `run` reads those.
+    """
 
     def __init__(self, problem: Problem, inputs: DecodeInputs, params: LaunchParams):
         q = inputs.q
@@ -27,10 +36,26 @@ class PreparedTritonMLA:
         self.lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
         self.workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads,
                                               sparse=problem.sparse, device=q.device)
+        self.ds_mla = reads_ds_mla(problem)
+        self._packed: dict[int, torch.Tensor] = {}
+
+    def adopt(self, inputs: DecodeInputs) -> None:
+        """Pack this input set's FP8 cache into fp8_ds_mla rows (untimed); other caches are read as they are."""
+        if self.ds_mla and inputs.kv_cache.data_ptr() not in self._packed:
+            from mla_tune.backends.vllm_kernels.flashmla import pack_fp8_ds_mla
+
+            self._packed[inputs.kv_cache.data_ptr()] = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale)
 
     def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        launch(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, self.out, self.lse,
-               sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
+        kv_cache, kv_scale = inputs.kv_cache, inputs.kv_scale
+        if self.ds_mla:
+            kv_cache, kv_scale = self._packed.get(kv_cache.data_ptr()), None
+            if kv_cache is None:
+                from mla_tune.backends.vllm_kernels import not_adopted
+
+                raise not_adopted("MLA_TUNE_TRITON_SPARSE")
+        launch(inputs.q, kv_cache, inputs.block_table, inputs.seq_lens, self.out, self.lse,
+               sm_scale=inputs.sm_scale, kv_scale=kv_scale,
                topk_indices=inputs.topk_indices, params=self.params, workspace=self.workspace)
         return self.out, self.lse
 
@@ -58,7 +83,8 @@ class TritonMLA:
         batch, device = inputs.q.shape[0], inputs.q.device
         lengths = [problem.topk] * batch if self.sparse else [int(n) for n in inputs.seq_lens.tolist()]
         facts = dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch, max_items=max(max(lengths), 1),
-                     sparse=self.sparse, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3", cc_major=cc_major(device))
+                     sparse=self.sparse, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
+                     cc_major=cc_major(device))
         return facts, dict(num_sms=sm_count(device), lengths=lengths)
 
     def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
@@ -66,14 +92,17 @@ class TritonMLA:
         if self.params is not None:
             return self.params
         facts, splits = self._shape(problem, inputs)
-        return params_for(self.tile, **facts, **splits)
+        tile = self.tile
+        if tile is None and reads_ds_mla(problem):
+            tile = default_tile(**facts, ds_mla=True)
+        return params_for(tile, **facts, **splits)
 
     def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
         """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with
         its parameters for these inputs, without tiles that come to the same parameters."""
         facts, splits = self._shape(problem, inputs)
         seen, out = set(), []
-        for tile in candidate_tiles(**facts):
+        for tile in candidate_tiles(**facts, ds_mla=reads_ds_mla(problem)):
             params = params_for(tile, **facts, **splits)
             if params not in seen:
                 seen.add(params)
@@ -86,12 +115,14 @@ class TritonMLA:
             kind = "sparse" if problem.sparse else "dense"
             raise ValueError(f"{self.name} does not run {kind} problems (topk={problem.topk})")
         prepared = PreparedTritonMLA(problem, inputs, self.choose_params(problem, inputs))
+        prepared.adopt(inputs)
         prepared.run(inputs)  # JIT-compile here, outside any timed region
         return prepared
 
 
 class TritonMLASparse(TritonMLA):
-    """The same kernel gathering each query token's top-k positions (-1 slots skipped)."""
+    """The same kernel gathering each query token's top-k positions (-1 slots skipped); for fp8_ds_mla problems
+    on vLLM's 656-byte rows."""
 
     name: ClassVar[str] = "MLA_TUNE_TRITON_SPARSE"
     sparse: ClassVar[bool] = True

@@ -13,6 +13,9 @@ import torch
 
 D_LATENT = 512
 D_ROPE = 64
+# vLLM's fp8_ds_mla row: D_LATENT e4m3 values, one float32 scale per DS_MLA_GROUP of them, D_ROPE bf16 values.
+DS_MLA_GROUP = 128
+DS_MLA_BYTES = D_LATENT + 4 * (D_LATENT // DS_MLA_GROUP) + 2 * D_ROPE
 MAX_SPLITS = 64
 
 # The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+
@@ -230,6 +233,11 @@ def cc_major(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).major
+
+
+def is_ds_mla(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` holds vLLM's fp8_ds_mla rows (uint8, DS_MLA_BYTES per token)."""
+    return kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == DS_MLA_BYTES
 
 
 def packed_rows(num_heads: int, q_len: int, *, sparse: bool) -> int:

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from mla_tune.backends.triton_mla.config import (
-    D_LATENT, D_ROPE, LaunchParams, Tile, cc_major, sm_count, tile_from_dict)
+    D_LATENT, D_ROPE, DS_MLA_BYTES, LaunchParams, Tile, cc_major, is_ds_mla, sm_count, tile_from_dict)
+from mla_tune.backends.triton_mla.dispatch import default_tile
 from mla_tune.backends.triton_mla.launcher import launch
 from mla_tune.backends.triton_mla.splits import params_for
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -28,10 +29,12 @@ def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_i
         raise ValueError(f"q_len {q.shape[1]} is not in 1..4")
     if not 1 <= q.shape[2] <= 128:
         raise ValueError(f"heads {q.shape[2]} is not in 1..128")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != D_LATENT + D_ROPE:
+    if is_ds_mla(kv_cache):
+        _validate_ds_mla(q, kv_cache, kv_scale)
+    elif kv_cache.dim() != 3 or kv_cache.shape[-1] != D_LATENT + D_ROPE:
         raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; expected "
-                         f"[num_pages, page_size, {D_LATENT + D_ROPE}]")
-    if kv_cache.dtype == torch.float8_e4m3fn:
+                         f"[num_pages, page_size, {D_LATENT + D_ROPE}] (or uint8 fp8_ds_mla rows of {DS_MLA_BYTES})")
+    elif kv_cache.dtype == torch.float8_e4m3fn:
         if q.dtype != torch.bfloat16 and q.dtype != torch.float16:
             raise ValueError(f"FP8 KV needs a bf16 or fp16 query, got {q.dtype}")
     elif kv_cache.dtype != q.dtype:
@@ -55,6 +58,20 @@ def _validate(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, topk_i
                          f"on {kv_scale.device}")
 
 
+def _validate_ds_mla(q, kv_cache, kv_scale) -> None:
+    if kv_cache.dim() != 3:
+        raise ValueError(f"an fp8_ds_mla kv_cache must be uint8 [num_pages, page_size, {DS_MLA_BYTES}], got shape "
+                         f"{tuple(kv_cache.shape)}")
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"an fp8_ds_mla kv_cache needs a bf16 query (its RoPE columns are bf16), got {q.dtype}")
+    if kv_scale is not None:
+        raise ValueError("an fp8_ds_mla kv_cache carries its own scales; pass kv_scale=None")
+    # The scales are read as float32 and the RoPE columns as bf16: every row must start on a 4-byte boundary.
+    if kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4:
+        raise ValueError(f"fp8_ds_mla rows must start on 4-byte boundaries: address {kv_cache.data_ptr()} and "
+                         f"strides {tuple(kv_cache.stride()[:2])} bytes")
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, *, sm_scale: float, kv_lora_rank: int = 512,
                kv_scale=None, topk_indices: torch.Tensor | None = None,
@@ -64,7 +81,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
     Args:
         q: `[batch, q_len, heads, 576]` or `[batch, heads, 576]`, bf16/fp16.
-        kv_cache: `[num_pages, page_size, 576]` in q's dtype, or float8_e4m3fn with `kv_scale`.
+        kv_cache: `[num_pages, page_size, 576]` in q's dtype, or float8_e4m3fn with `kv_scale`, or vLLM's
+            fp8_ds_mla rows (uint8 `[num_pages, page_size, 656]`: 512 e4m3 values, a float32 scale per 128 of them,
+            64 bf16 RoPE values; bf16 query, no `kv_scale`), read in place by the tl kernel.
         block_table: int32 `[batch, max_pages]`.
         seq_lens: int32 `[batch]`, tokens in the cache including the new query tokens.
         sm_scale: softmax scale.
@@ -94,6 +113,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         max_items = topk_indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
         if tile is not None and not isinstance(tile, Tile):
             tile = tile_from_dict(dict(tile))  # a dict or mapping, e.g. `mla_tune.kernel_tile(...).tile`
+        if tile is None and is_ds_mla(kv_cache):
+            tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
+                                cc_major=cc_major(q.device), ds_mla=True)
         params = params_for(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=sm_count(q.device), sparse=sparse, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn,
                             cc_major=cc_major(q.device))

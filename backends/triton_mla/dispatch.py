@@ -137,6 +137,11 @@ HOPPER_CONSUMER_FENCE = False
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
+# KV layouts the Hopper forms do not read, each with why: these take the tl tiles of the "fp8" kind.
+HOPPER_REFUSED_LAYOUTS = {
+    "fp8_ds_mla": "the Hopper forms' loaders cast e4m3 tiles under one per-tensor scale; fp8_ds_mla's per-token "
+                  "group scales and bf16 RoPE columns are read by the tl kernel only"}
+
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
 # The split model's cost of one split partial, in KV tokens of one program's time per packed query row.
@@ -172,17 +177,18 @@ def _hopper_tile(kind: str, bucket: int, *, batch: int, sparse: bool) -> Tile | 
 
 
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
-                 kv_fp8: bool = False, cc_major: int | None = None) -> Tile:
+                 kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> Tile:
     """The heuristic's tile: on SM90 the first Hopper form whose table takes the shape (unless the requests are
-    short), otherwise the tl kernel's tile for the rows bucket.
+    short or the layout is in HOPPER_REFUSED_LAYOUTS), otherwise the tl kernel's tile for the rows bucket.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
         cc_major: the GPU's compute-capability major (None: the CPU interpreter).
+        ds_mla: the cache is vLLM's fp8_ds_mla (an FP8 kind).
     """
-    kind, bucket = _kind(kv_fp8), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
+    kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
-    if cc_major in HOPPER_CC_MAJORS and not short:
+    if cc_major in HOPPER_CC_MAJORS and not short and not ds_mla:
         tile = _hopper_tile(kind, bucket, batch=batch, sparse=sparse)
         if tile is not None:
             return tile
@@ -200,16 +206,17 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
-                    kv_fp8: bool = False, cc_major: int | None = None) -> list[Tile]:
+                    kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
-    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows), then the default with its
-    minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
+    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows; none for a layout in
+    HOPPER_REFUSED_LAYOUTS), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
+    `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                           kv_fp8=kv_fp8, cc_major=cc_major)
+                           kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if cc_major in HOPPER_CC_MAJORS:
+    if cc_major in HOPPER_CC_MAJORS and not ds_mla:
         if default.warp_specialized:
             family.append(table_tile(_kind(kv_fp8), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, wide), wide})]

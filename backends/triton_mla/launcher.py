@@ -6,8 +6,8 @@ import torch
 import triton
 
 from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
-from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, HOPPER_MAXNREG, LaunchParams
-from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
+from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, HOPPER_MAXNREG, LaunchParams, is_ds_mla
+from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, HOPPER_REFUSED_LAYOUTS, hopper_constexprs
 from mla_tune.backends.triton_mla.splits import m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -44,7 +44,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 
     Args:
         q: `[batch, q_len, heads, 576]`, last dim contiguous.
-        kv_cache: `[num_pages, page_size, 576]`, last dim contiguous.
+        kv_cache: `[num_pages, page_size, 576]`, last dim contiguous; or vLLM's fp8_ds_mla rows, uint8
+            `[num_pages, page_size, 656]` (tl tiles with `split_d` only; their own scales, `kv_scale` ignored).
         out: `[batch, q_len, heads, 512]` in q's dtype (written).
         lse: fp32 `[batch, q_len, heads]` (written).
         kv_scale: None, a float, or a 0-d fp32 tensor on q's device.
@@ -52,6 +53,10 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     batch, q_len, num_heads, _ = q.shape
     page_size = kv_cache.shape[1]
     sparse = topk_indices is not None
+    ds_mla = is_ds_mla(kv_cache)
+    if ds_mla:
+        _check_ds_mla(params)
+        kv_cache, kv_scale = kv_cache.view(torch.float8_e4m3fn), None  # the e4m3 bytes; scales are read per row
     kv_cast = kv_cache.dtype != q.dtype
     scale_is_ptr = isinstance(kv_scale, torch.Tensor)
     scale_value = 1.0 if kv_scale is None or scale_is_ptr else float(kv_scale)
@@ -91,11 +96,22 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             DOT_UPCAST=q.device.type != "cuda", SPLIT_D=params.split_d, RELOAD_V=params.reload_v,
             HOIST_PAGES=params.hoist_pages, FP16_MATH=fp16_math, OPAQUE_V_CAST=params.opaque_v_cast and q.is_cuda,
             p_scratch_ptr=workspace.p_scratch if params.split_scores else None, SPLIT_SCORES=params.split_scores,
+            DS_MLA=ds_mla,
             num_warps=params.num_warps, num_stages=params.num_stages,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
     if splits > 1:
         _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits)
     return compiled
+
+
+def _check_ds_mla(params: LaunchParams) -> None:
+    """Raise ValueError where `params` cannot read fp8_ds_mla rows (the tl kernel's four column blocks map onto
+    the row's four scale groups)."""
+    if params.warp_specialized:
+        raise ValueError(f"fp8_ds_mla runs on the tl kernel only: {HOPPER_REFUSED_LAYOUTS['fp8_ds_mla']}")
+    if not params.split_d or params.split_scores:
+        raise ValueError(f"fp8_ds_mla needs split_d (one column block per scale group) without split_scores; "
+                         f"got split_d={params.split_d}, split_scores={params.split_scores}")
 
 
 def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int) -> None:

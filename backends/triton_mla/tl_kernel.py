@@ -6,9 +6,11 @@ M dimension (row `r` is query token `r // heads`, head `r % heads`), so a KV til
 every MTP token at once; sparse rows are heads of one query token (each token has its own top-k list). Each KV tile
 is loaded once as `[BLOCK_N, 576]` and used twice: transposed for the scores `q @ k^T` and as V (its first 512
 columns) for `p @ v`. FP8 e4m3 tiles are cast right after the load; the per-tensor scale is folded into the score
-scale and applied once to the output, so the cast is exact. The m-block is the fastest grid dimension, so programs
-that read the same KV range run side by side and the second read hits L2. The partials are merged by
-`combine._mla_combine_kernel`.
+scale and applied once to the output, so the cast is exact. vLLM's fp8_ds_mla rows (DS_MLA: 512 e4m3 values,
+four float32 scales, one per 128 columns, 64 bf16 RoPE values) are read in place: the e4m3 columns are cast exactly
+as above and each group's scores and probabilities are multiplied by its tokens' scales. The m-block is the fastest
+grid dimension, so programs that read the same KV range run side by side and the second read hits L2. The partials
+are merged by `combine._mla_combine_kernel`.
 """
 
 from __future__ import annotations
@@ -130,6 +132,35 @@ def _load_kv(kv_row, col0, offs, tok_ok, dtype: tl.constexpr, KV_CAST: tl.conste
 
 
 @triton.jit
+def _ds_mla_scales(kv_row, tok_ok, D_LATENT: tl.constexpr):
+    """An fp8_ds_mla tile's four float32 group scales `[BLOCK_N]` each (bytes `D_LATENT ..`; 0 for invalid tokens)."""
+    s_row = (kv_row + D_LATENT).to(tl.pointer_type(tl.float32), bitcast=True)
+    s0 = tl.load(s_row, mask=tok_ok, other=0.0)
+    s1 = tl.load(s_row + 1, mask=tok_ok, other=0.0)
+    s2 = tl.load(s_row + 2, mask=tok_ok, other=0.0)
+    s3 = tl.load(s_row + 3, mask=tok_ok, other=0.0)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _ds_mla_rope(kv_row, offs_r, tok_ok, dtype: tl.constexpr, D_LATENT: tl.constexpr):
+    """An fp8_ds_mla tile's bf16 RoPE columns (bytes `D_LATENT + 16 ..`), converted to the product dtype."""
+    r_row = (kv_row + D_LATENT + 16).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    return tl.load(r_row[:, None] + offs_r[None, :], mask=tok_ok[:, None], other=0.0).to(dtype)
+
+
+@triton.jit
+def _ds_mla_scores(q_pe, k_pe, q0, k0, q1, k1, q2, k2, q3, k3, s0, s1, s2, s3, zero, DOT_UPCAST: tl.constexpr):
+    """`q @ k^T` of an fp8_ds_mla tile: each 128-column group's product scaled by its tokens' scales."""
+    qk = _dot(q_pe, tl.trans(k_pe), zero, DOT_UPCAST)
+    qk += _dot(q0, tl.trans(k0), zero, DOT_UPCAST) * s0[None, :]
+    qk += _dot(q1, tl.trans(k1), zero, DOT_UPCAST) * s1[None, :]
+    qk += _dot(q2, tl.trans(k2), zero, DOT_UPCAST) * s2[None, :]
+    qk += _dot(q3, tl.trans(k3), zero, DOT_UPCAST) * s3[None, :]
+    return qk
+
+
+@triton.jit
 def _load_q(ptrs, row_ok, q_scale, FP16_MATH: tl.constexpr):
     """Query columns; with FP16_MATH (FP8 KV) multiplied by `q_scale` and rounded to fp16.
 
@@ -222,10 +253,14 @@ def _attend_split_d(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, p_scratch_ptr,
                     stride_ot, stride_oh, q_scale, qk_scale, kv_scale, m_i, l_i, CHUNK, D_LATENT: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr,
                     KV_CAST: tl.constexpr, DOT_UPCAST: tl.constexpr, RELOAD_V: tl.constexpr, HOIST_PAGES: tl.constexpr,
-                    FP16_MATH: tl.constexpr, SPLIT_SCORES: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
+                    FP16_MATH: tl.constexpr, SPLIT_SCORES: tl.constexpr, OPAQUE_V_CAST: tl.constexpr,
+                    DS_MLA: tl.constexpr = False):
     """The program's range with the latent dimension in four column blocks of 128 (four `[BLOCK_H, 128]`
     accumulators), outputs stored: each FP8 block is cast on its own, so no whole `[BLOCK_N, 512]` tile sits in
-    registers next to the accumulators. Returns (running max, running sum)."""
+    registers next to the accumulators. Returns (running max, running sum).
+
+    DS_MLA: the tile is an fp8_ds_mla row (e4m3 latent, four float32 group scales, bf16 RoPE); each group's
+    scores are scaled by its tokens' scales and its `p` by them (over `q_scale`, which keeps fp16 `p` normal)."""
     DC: tl.constexpr = D_LATENT // 4
     offs_c = tl.arange(0, DC)
     q0 = _load_q(q_row[:, None] + offs_c[None, :], row_ok, q_scale, FP16_MATH)
@@ -255,8 +290,15 @@ def _attend_split_d(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, p_scratch_ptr,
             k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST)
             k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
             k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST)
-            k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
-            if SPLIT_SCORES:  # five independent dots, so that no dot feeds another
+            if DS_MLA:
+                k_pe = _ds_mla_rope(kv_row, offs_r, tok_ok, q0.dtype, D_LATENT)
+                s0, s1, s2, s3 = _ds_mla_scales(kv_row, tok_ok, D_LATENT)
+            else:
+                k_pe = _load_kv(kv_row, D_LATENT, offs_r, tok_ok, q0.dtype, KV_CAST)
+            if DS_MLA:
+                qk = _ds_mla_scores(q_pe, k_pe, q0, k0, q1, k1, q2, k2, q3, k3, s0, s1, s2, s3,
+                                    tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST)
+            elif SPLIT_SCORES:  # five independent dots, so that no dot feeds another
                 # (a zero Triton cannot prove zero, or it fuses the sum back into a dot chain)
                 zero = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32) + (n0 * 0.0)
                 qk = (_dot(q_pe, tl.trans(k_pe), zero, DOT_UPCAST) + _dot(q0, tl.trans(k0), zero, DOT_UPCAST)
@@ -269,6 +311,12 @@ def _attend_split_d(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, p_scratch_ptr,
                 qk = _dot(q2, tl.trans(k2), qk, DOT_UPCAST)
                 qk = _dot(q3, tl.trans(k3), qk, DOT_UPCAST)
             m_i, l_i, p, alpha = _online_softmax(qk, pos, tok_ok, visible_len, qk_scale, m_i, l_i)
+            if DS_MLA:  # p of each group: p x its tokens' scale / q_scale (the output is scaled back by q_scale)
+                p_scale = 1.0 / q_scale
+                p0 = (p * (s0 * p_scale)[None, :]).to(q0.dtype)
+                p1 = (p * (s1 * p_scale)[None, :]).to(q0.dtype)
+                p2 = (p * (s2 * p_scale)[None, :]).to(q0.dtype)
+                p3 = (p * (s3 * p_scale)[None, :]).to(q0.dtype)
             p = p.to(q0.dtype)
             if SPLIT_SCORES:
                 p, alpha = _exchange(p, alpha, p_slots + parity * (BLOCK_H * BLOCK_N),
@@ -279,10 +327,18 @@ def _attend_split_d(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, p_scratch_ptr,
                 k1 = _load_kv(kv_row, DC, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
                 k2 = _load_kv(kv_row, 2 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
                 k3 = _load_kv(kv_row, 3 * DC, offs_c, tok_ok, q0.dtype, KV_CAST, True, OPAQUE_V_CAST)
-            acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
-            acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
-            acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
-            acc3 = _dot(p, k3, acc3 * alpha[:, None], DOT_UPCAST)
+            if DS_MLA:
+                acc0 = _dot(p0, k0, acc0 * alpha[:, None], DOT_UPCAST)
+                acc1 = _dot(p1, k1, acc1 * alpha[:, None], DOT_UPCAST)
+                acc2 = _dot(p2, k2, acc2 * alpha[:, None], DOT_UPCAST)
+                acc3 = _dot(p3, k3, acc3 * alpha[:, None], DOT_UPCAST)
+            else:
+                acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_UPCAST)
+                acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_UPCAST)
+                acc2 = _dot(p, k2, acc2 * alpha[:, None], DOT_UPCAST)
+                acc3 = _dot(p, k3, acc3 * alpha[:, None], DOT_UPCAST)
+    if DS_MLA:
+        kv_scale = kv_scale * q_scale
     inv_l = _inv_l(l_i, kv_scale)
     o_row = o_ptr + b.to(tl.int64) * stride_ob + split * stride_os + qi * stride_ot + h * stride_oh
     o_ptrs = o_row[:, None] + offs_c[None, :]
@@ -349,6 +405,7 @@ def _mla_split_kernel(
     SPLIT_PER_REQUEST: tl.constexpr = False,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
     p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
+    DS_MLA: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -395,7 +452,7 @@ def _mla_split_kernel(
                                    seq_len, start, end, visible_len, row_ok, o_ok, rows, offs_r, stride_kvp,
                                    stride_kvt, stride_ob, stride_os, stride_ot, stride_oh, q_scale, qk_scale, kv_scale,
                                    m_i, l_i, CHUNK, D_LATENT, BLOCK_H, BLOCK_N, PAGE_SIZE, SPARSE, KV_CAST,
-                                   DOT_UPCAST, RELOAD_V, HOIST_PAGES, FP16_MATH, SPLIT_SCORES, OPAQUE_V_CAST)
+                                   DOT_UPCAST, RELOAD_V, HOIST_PAGES, FP16_MATH, SPLIT_SCORES, OPAQUE_V_CAST, DS_MLA)
     else:
         m_i, l_i = _attend_whole(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, b, split, qi, h, seq_len, start, end,
                                  visible_len, row_ok, o_ok, offs_r, stride_kvp, stride_kvt, stride_ob, stride_os,

@@ -55,6 +55,21 @@ def bf16_sparse_padded_heads(num_heads: int) -> int:
     return -(-num_heads // 64) * 64
 
 
+def _write_fp8_ds_mla(latent: "torch.Tensor", scales: "torch.Tensor", rope: "torch.Tensor",
+                      out: "torch.Tensor | None") -> "torch.Tensor":
+    """The 656 bytes of each token from its e4m3 latent `[..., 512]`, float32 group scales `[..., 4]` (or `[4]`)
+    and bf16 RoPE `[..., 64]`: the one place that lays fp8_ds_mla rows out."""
+    import torch
+
+    lead = latent.shape[:-1]
+    if out is None:
+        out = torch.empty(*lead, DS_MLA_BYTES, dtype=torch.uint8, device=latent.device)
+    out[..., :512].copy_(latent.view(torch.uint8))
+    out[..., 512:528].copy_(scales.to(torch.float32).contiguous().view(torch.uint8).expand(*lead, 16))
+    out[..., 528:].copy_(rope.to(torch.bfloat16).contiguous().view(torch.uint8))
+    return out
+
+
 def pack_fp8_ds_mla(kv_cache: "torch.Tensor", kv_scale: float, out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """vLLM's fp8_ds_mla bytes `[num_pages, page_size, 656]` (uint8) of a per-tensor-scaled e4m3 cache.
 
@@ -67,14 +82,32 @@ def pack_fp8_ds_mla(kv_cache: "torch.Tensor", kv_scale: float, out: "torch.Tenso
     if width != 576 or kv_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_ds_mla packs an e4m3 [pages, page_size, 576] cache, got {kv_cache.dtype} "
                          f"{tuple(kv_cache.shape)}")
-    if out is None:
-        out = torch.empty(pages, page_size, DS_MLA_BYTES, dtype=torch.uint8, device=kv_cache.device)
-    out[..., :512].copy_(kv_cache[..., :512].view(torch.uint8))
     scales = torch.full((4,), float(kv_scale), dtype=torch.float32, device=kv_cache.device)
-    out[..., 512:528].copy_(scales.view(torch.uint8).expand(pages, page_size, 16))
-    rope = (kv_cache[..., 512:].float() * float(kv_scale)).to(torch.bfloat16)
-    out[..., 528:].copy_(rope.view(torch.uint8))
-    return out
+    return _write_fp8_ds_mla(kv_cache[..., :512], scales, kv_cache[..., 512:].float() * float(kv_scale), out)
+
+
+def quantize_fp8_ds_mla(values: "torch.Tensor", out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """fp8_ds_mla bytes `[..., 656]` of float values `[..., 576]` as vLLM's cache writer stores them: each
+    128-value latent group in e4m3 under the scale `amax / 448` of that token's group, RoPE in bf16."""
+    import torch
+
+    if values.shape[-1] != 576:
+        raise ValueError(f"fp8_ds_mla quantises [..., 576] values, got {tuple(values.shape)}")
+    groups = values[..., :512].float().unflatten(-1, (512 // DS_MLA_TILE, DS_MLA_TILE))
+    scales = (groups.abs().amax(-1) / 448.0).clamp(min=1e-10)
+    latent = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    return _write_fp8_ds_mla(latent, scales, values[..., 512:], out)
+
+
+def unpack_fp8_ds_mla(rows: "torch.Tensor") -> "torch.Tensor":
+    """The float32 values `[..., 576]` that fp8_ds_mla rows `[..., 656]` hold (the reference's view of them)."""
+    import torch
+
+    latent = rows[..., :512].contiguous().view(torch.float8_e4m3fn).float()
+    scales = rows[..., 512:528].contiguous().view(torch.float32)
+    rope = rows[..., 528:].contiguous().view(torch.bfloat16).float()
+    latent = (latent.unflatten(-1, (512 // DS_MLA_TILE, DS_MLA_TILE)) * scales.unsqueeze(-1)).flatten(-2)
+    return torch.cat([latent, rope], dim=-1)
 
 
 class _PreparedDense:

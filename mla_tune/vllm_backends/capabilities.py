@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# DeepSeek's fp8_ds_mla cache: 512 e4m3 latent values, 4 float32 scales (one per 128), 64 bf16 RoPE values.
-FP8_DS_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
 
 
 @dataclass(frozen=True)
@@ -25,7 +23,8 @@ class VllmBackendCapabilities:
         kv_lora_rank: the latent width the kernel is built for.
         model_dtypes: the model (query) dtypes, as torch names without the `torch.` prefix.
         kv_cache_dtypes: vLLM `--kv-cache-dtype` values the kernel reads as they are stored.
-        fp8_kv_cache_dtypes: the subset stored as e4m3 with vLLM's per-tensor `k_scale`.
+        fp8_kv_cache_dtypes: the subset stored as e4m3 (with vLLM's per-tensor `k_scale`, or fp8_ds_mla's own
+            scales), read from `min_fp8_capability`.
         refused_kv_cache_dtypes: kv-cache dtypes vLLM could ask for that we refuse, each with why.
         block_size_multiple: vLLM's block size must be a multiple of this.
         min_capability: the lowest compute capability (major, minor).
@@ -52,19 +51,15 @@ class VllmBackendCapabilities:
     cudagraph_support: str = "UNIFORM_BATCH"
 
 
-_FP8_DS_MLA_WHY = (f"the fp8_ds_mla cache ({FP8_DS_MLA_BYTES_PER_TOKEN} bytes per token: 512 e4m3 values, "
-                   "4 float32 scales per 128 values, 64 bf16 RoPE values) is not read by our sparse kernel; "
-                   "use --kv-cache-dtype auto (bf16) or FLASHMLA_SPARSE")
-
 DENSE = VllmBackendCapabilities(
     name="MLA_TUNE_TRITON", class_path="mla_tune.vllm_backends.dense.MlaTuneTritonBackend", sparse=False,
     refused_kv_cache_dtypes={"fp8_ds_mla": "fp8_ds_mla is a sparse (DeepSeek-V3.2) cache format"})
+# vLLM 0.33 turns a sparse model's fp8 into fp8_ds_mla for FLASHMLA_SPARSE (and FLASHINFER_MLA_SPARSE_SM120) only:
+# our backend gets "fp8"/"fp8_e4m3" as 576 e4m3 values with k_scale, and fp8_ds_mla where it is asked for by name.
 SPARSE = VllmBackendCapabilities(
     name="MLA_TUNE_TRITON_SPARSE", class_path="mla_tune.vllm_backends.sparse.MlaTuneTritonSparseBackend",
-    sparse=True, model_dtypes=("bfloat16",), kv_cache_dtypes=("auto", "bfloat16"), fp8_kv_cache_dtypes=(),
-    # vLLM stores a sparse model's fp8 cache as fp8_ds_mla ("fp8" is its alias for sparse MLA).
-    refused_kv_cache_dtypes={"fp8_ds_mla": _FP8_DS_MLA_WHY, "fp8": _FP8_DS_MLA_WHY, "fp8_e4m3": _FP8_DS_MLA_WHY},
-    block_size_multiple=64, max_decode_query_len=1)
+    sparse=True, model_dtypes=("bfloat16",), kv_cache_dtypes=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla"),
+    fp8_kv_cache_dtypes=("fp8", "fp8_e4m3", "fp8_ds_mla"), block_size_multiple=64, max_decode_query_len=1)
 BACKENDS: dict[str, VllmBackendCapabilities] = {caps.name: caps for caps in (DENSE, SPARSE)}
 
 

@@ -79,27 +79,33 @@ class IdentityPages:
 
 def sparse_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                    topk_rows: torch.Tensor, *, block_size: int, scale: float, identity: IdentityPages,
-                   kv_lora_rank: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_lora_rank: int = 512, k_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k MLA over vLLM's paged cache, as `SparseMLACommonImpl._forward_mqa_kernel` is called.
 
     Args:
         q: `[tokens, heads, 576]` or `(ql_nope, q_pe)`; every token is one kernel row.
-        kv_cache: bf16 `[num_blocks, block_size, 576]` (blocks may be spaced further apart than block_size rows).
+        kv_cache: `[num_blocks, block_size, row]` (blocks may be spaced further apart than block_size rows):
+            bf16 rows of 576, float8_e4m3fn rows of 576 (vLLM's fp8 view, with `k_scale`), or vLLM's fp8_ds_mla
+            rows, uint8 of 656 bytes (their own scales), read in place.
         topk_rows: int32 `[tokens, topk]` global cache rows (`block x block_stride_rows + offset`, vLLM's
             `triton_convert_req_index_to_global_index`), -1 for none.
+        k_scale: vLLM's per-tensor `layer._k_scale` (one value) for a float8_e4m3fn cache.
     """
     from mla_tune.backends.triton_mla import mla_decode
 
     if isinstance(q, tuple):
         q = torch.cat(q, dim=-1)
     tokens, num_heads, width = q.shape
-    if kv_cache.stride(0) == block_size * kv_cache.shape[-1]:
+    row_stride = kv_cache.shape[-1]
+    if kv_cache.stride(0) == block_size * row_stride:
         pages = kv_cache  # contiguous blocks: global row // block_size is the block
     else:  # blocks spaced apart: one row per page (vLLM's flat_kv_row_view)
-        row_stride = kv_cache.shape[-1]
         rows = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // row_stride) + block_size
-        pages = kv_cache.as_strided((rows, 1, width), (row_stride, row_stride, 1))
+        pages = kv_cache.as_strided((rows, 1, row_stride), (row_stride, row_stride, 1))
+    kv_scale = None
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        kv_scale = k_scale.reshape(()) if k_scale is not None else 1.0
     table, lengths = identity.get(pages.shape[0], pages.shape[1], tokens, q.device)
     out, lse = mla_decode(q.view(tokens, 1, num_heads, width), pages, table, lengths, sm_scale=scale,
-                          kv_lora_rank=kv_lora_rank, topk_indices=topk_rows[:tokens].unsqueeze(1))
+                          kv_lora_rank=kv_lora_rank, kv_scale=kv_scale, topk_indices=topk_rows[:tokens].unsqueeze(1))
     return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)

@@ -8,8 +8,9 @@ that gathers its top-k rows of the bf16 cache `[num_blocks, block_size, 576]`
 in place: the kernel's page table is the identity over the cache's blocks, so
 a global row `block x block_size + offset` is read where vLLM wrote it.
 
-The fp8_ds_mla cache (656 bytes per token) is refused with a reason; see
-`capabilities.SPARSE`.
+FP8 caches are read in place too: `fp8`/`fp8_e4m3` as vLLM's e4m3 view with the
+layer's `k_scale`, and `fp8_ds_mla` as its uint8 rows of 656 bytes (512 e4m3
+values, 4 float32 scales, 64 bf16 RoPE values; see `capabilities.SPARSE`).
 """
 
 from __future__ import annotations
@@ -99,4 +100,5 @@ class MlaTuneTritonSparseImpl(SparseMLACommonImpl[MlaTuneTritonSparseMetadata]):
                             topk_indices: torch.Tensor, valid_counts: torch.Tensor, *, layer: AttentionLayer,
                             block_size: int, is_decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_forward(q, kv_cache, topk_indices, block_size=block_size, scale=self.scale,
-                              identity=self._identity, kv_lora_rank=self.kv_lora_rank)
+                              identity=self._identity, kv_lora_rank=self.kv_lora_rank,
+                              k_scale=layer._k_scale if kv_cache.dtype == torch.float8_e4m3fn else None)

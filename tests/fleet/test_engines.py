@@ -62,19 +62,31 @@ def test_our_kernel_goes_to_vllm_only_where_the_plugin_is_installed():
 
 
 def test_our_kernel_is_not_handed_to_vllm_for_a_key_our_vllm_backend_refuses():
-    # Sparse FP8: vLLM stores it as fp8_ds_mla, which our vLLM backend does not read (our timed kernel read a
-    # 576-byte e4m3 cache), so vLLM gets its own fastest backend even with the plugin installed.
-    key = {"sku": "H100", "compute_capability": "9.0", "query_dtype": "bf16", "kv_cache_dtype": "fp8_e4m3",
-           "num_heads": 16, "geometry": "512/64/128/128", "page_size": 64, "topk": 2048, "q_len": 1}
+    # Sparse with 16-token pages: our vLLM sparse backend needs blocks of a multiple of 64 tokens, so vLLM gets its
+    # own fastest backend even with the plugin installed.
+    key = {"sku": "H100", "compute_capability": "9.0", "query_dtype": "bf16", "kv_cache_dtype": "bf16",
+           "num_heads": 16, "geometry": "512/64/128/128", "page_size": 16, "topk": 2048, "q_len": 1}
     got = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
                             "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
                             static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key)
     assert (got.engine_backend, got.basis) == ("FLASHMLA_SPARSE", "engine_best")
-    assert "does not support kv_cache_dtype fp8_e4m3" in got.reason
-    bf16 = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
+    assert "needs a block size that is a multiple of 64; got 16" in got.reason
+    fits = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
                              "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
-                             plugin_missing=None, key=dict(key, kv_cache_dtype="bf16"))
-    assert bf16.engine_backend == "MLA_TUNE_TRITON_SPARSE"
+                             plugin_missing=None, key=dict(key, page_size=64))
+    assert fits.engine_backend == "MLA_TUNE_TRITON_SPARSE"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_ds_mla"])
+def test_sparse_fp8_keys_go_to_our_vllm_backend_which_reads_that_cache_as_timed(kv_cache_dtype):
+    # fp8_e4m3: vLLM hands our backend 576 e4m3 values with k_scale (it converts fp8 to fp8_ds_mla for
+    # FLASHMLA_SPARSE only); fp8_ds_mla: the 656-byte rows, which the tuner times our kernel on.
+    key = {"sku": "H100", "compute_capability": "9.0", "query_dtype": "bf16", "kv_cache_dtype": kv_cache_dtype,
+           "num_heads": 16, "geometry": "512/64/128/128", "page_size": 64, "topk": 2048, "q_len": 1}
+    got = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
+                            "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
+                            static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key)
+    assert (got.engine_backend, got.basis) == ("MLA_TUNE_TRITON_SPARSE", "winner")
 
 
 def test_a_decision_that_never_timed_vllms_kernels_hands_vllm_nothing():

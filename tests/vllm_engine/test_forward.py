@@ -132,6 +132,63 @@ def test_sparse_forward_mqa_through_vllms_index_conversion(vllm_host, models):
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
 
 
+def _sparse_batch(layer, common, seq_lens, g):
+    """The indexer's answer (128 positions per token, -1 where fewer) and vLLM's conversion to global rows."""
+    logical = torch.full((len(seq_lens), 128), -1, dtype=torch.int32)
+    for row, n in enumerate(seq_lens):
+        picked = torch.randperm(n, generator=g)[:128].to(torch.int32)
+        logical[row, :picked.numel()] = picked
+    blocks = common.block_table_tensor.long().gather(1, (logical.clamp(min=0) // 64).long())
+    return logical, torch.where(logical >= 0, blocks * 64 + logical % 64, -1).to(torch.int32)
+
+
+def test_sparse_fp8_ds_mla_forward_mqa_reads_the_656_byte_rows_in_place(vllm_host, models):
+    from mla_tune.backends.vllm_kernels.flashmla import quantize_fp8_ds_mla, unpack_fp8_ds_mla
+
+    config, layer, spec, builder = _layer(vllm_host, models, "small-sparse", backend="MLA_TUNE_TRITON_SPARSE",
+                                          kv_cache_dtype="fp8_ds_mla", topk=128)
+    assert layer.kv_cache_dtype == "fp8_ds_mla" and spec.state_content_bytes == 656 and spec.dtype == torch.uint8
+    g = torch.Generator().manual_seed(13)
+    seq_lens = [200, 45, 130]
+    common, num_blocks = vllm_host.paged_batch(seq_lens, query_len=1, block_size=64, spare_blocks=2, generator=g)
+    builder.build(0, common)
+    values = torch.randn(num_blocks, 64, 576, generator=g)
+    values[..., :512] *= torch.exp(torch.randn(num_blocks, 64, 1, generator=g))  # per-token scales differ
+    kv_cache = quantize_fp8_ds_mla(values)                          # uint8 [blocks, 64, 656], as vLLM holds it
+    logical, physical = _sparse_batch(layer, common, seq_lens, g)
+    q = torch.randn(len(seq_lens), 3, 576, generator=g).to(torch.bfloat16)
+    out, lse = layer.impl._forward_mqa_kernel((q[..., :512], q[..., 512:]), kv_cache, physical,
+                                              (logical >= 0).sum(1).to(torch.int32), layer=layer, block_size=64,
+                                              is_decode=True)
+    ref_out, ref_lse = _reference(q, unpack_fp8_ds_mla(kv_cache), common.block_table_tensor, common.seq_lens,
+                                  scale=layer.impl.scale, topk=logical.unsqueeze(1))
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_sparse_fp8_stays_e4m3_with_k_scale_for_our_backend(vllm_host, models):
+    """vLLM turns a sparse model's fp8 into fp8_ds_mla for FLASHMLA_SPARSE only: ours gets 576 e4m3 values a token
+    and the layer's k_scale."""
+    config, layer, spec, builder = _layer(vllm_host, models, "small-sparse", backend="MLA_TUNE_TRITON_SPARSE",
+                                          kv_cache_dtype="fp8", topk=128)
+    assert layer.kv_cache_dtype == "fp8" and spec.state_content_bytes is None
+    g = torch.Generator().manual_seed(14)
+    seq_lens = [150, 70]
+    common, num_blocks = vllm_host.paged_batch(seq_lens, query_len=1, block_size=64, spare_blocks=1, generator=g)
+    builder.build(0, common)
+    kv_cache = (torch.randn(num_blocks, 64, 576, generator=g) * 40).to(torch.float8_e4m3fn)
+    layer._k_scale.fill_(0.03)
+    logical, physical = _sparse_batch(layer, common, seq_lens, g)
+    q = torch.randn(len(seq_lens), 3, 576, generator=g).to(torch.bfloat16)
+    out, lse = layer.impl._forward_mqa_kernel((q[..., :512], q[..., 512:]), kv_cache, physical,
+                                              (logical >= 0).sum(1).to(torch.int32), layer=layer, block_size=64,
+                                              is_decode=True)
+    ref_out, ref_lse = _reference(q, kv_cache, common.block_table_tensor, common.seq_lens, scale=layer.impl.scale,
+                                  kv_scale=0.03, topk=logical.unsqueeze(1))
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_dense_falls_back_to_vllms_triton_mla_when_our_kernel_cannot_launch(vllm_host, models, monkeypatch, caplog):
     import logging
 

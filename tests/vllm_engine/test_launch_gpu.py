@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 CASES = [(kind, heads, batch, kv_len) for kind in ("dense-bf16", "dense-fp8") for heads in (16, 128)
          for batch, kv_len in ((1, 1000), (33, 4097))] + \
-        [("sparse-bf16", heads, batch, 8191) for heads in (16, 128) for batch in (1, 33)]
+        [(kind, heads, batch, 8191) for kind in ("sparse-bf16", "sparse-fp8") for heads in (16, 128)
+         for batch in (1, 33)] + [("sparse-fp8", 19, 5, 5000), ("sparse-fp8", 64, 16, 3000)]
 
 
 @pytest.mark.parametrize("kind, heads, batch, kv_len", CASES)
@@ -32,6 +33,10 @@ def test_launch_matches_reference_and_flashmla(kind, heads, batch, kv_len):
     tol = bench.TOLERANCE["fp8" if case.fp8 else "bf16"] * max(1.0, ref.abs().max().item())
     ours = bench.ours(case, x, scale)()
     assert (ours.float() - ref).abs().max().item() <= tol
+    if case.kind == "sparse-fp8":  # the e4m3 cache with k_scale (vLLM's fp8 for our backend), its own reference
+        ref576 = bench.reference(case, x, scale, e4m3=True)
+        assert (bench.ours(case, x, scale, e4m3=True)().float() - ref576).abs().max().item() <= \
+            bench.TOLERANCE["fp8"] * max(1.0, ref576.abs().max().item())
     flashmla = bench.flashmla(case, x, scale)
     if isinstance(flashmla, str):
         pytest.skip(flashmla)

@@ -50,13 +50,12 @@ def test_selector_refuses_fp8_on_ampere_with_our_reason(vllm_host, models, capab
     assert "compute capability not supported" not in str(refused.value)  # vLLM's bare reason, replaced
 
 
-def test_selector_refuses_fp8_ds_mla_with_our_reason(vllm_host, models):
-    config = vllm_host.engine_config(models["DeepSeek-V3.2"], attention_backend="MLA_TUNE_TRITON_SPARSE")
-    config.cache_config.cache_dtype = "fp8_ds_mla"  # what vLLM stores a sparse model's fp8 cache as
-    with pytest.raises(ValueError) as refused:
-        _select(config, sparse=True)
-    assert "MLA_TUNE_TRITON_SPARSE does not support kv_cache_dtype fp8_ds_mla: the fp8_ds_mla cache (656 bytes" \
-        in str(refused.value)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_ds_mla"])
+def test_selector_accepts_sparse_backend_with_fp8_caches(vllm_host, models, kv_cache_dtype):
+    config = vllm_host.engine_config(models["DeepSeek-V3.2"], attention_backend="MLA_TUNE_TRITON_SPARSE",
+                                     kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=4, block_size=64)
+    assert config.attention_config.backend.name == "MLA_TUNE_TRITON_SPARSE"
+    assert _select(config, sparse=True).__name__ == "MlaTuneTritonSparseBackend"
 
 
 def test_selector_refuses_a_dense_model_for_the_sparse_backend(vllm_host, models):
@@ -72,15 +71,8 @@ def test_selector_refuses_a_dense_model_for_the_sparse_backend(vllm_host, models
 def test_plugin_hands_an_unfit_choice_back_to_vllm_with_one_warning(vllm_host, models, caplog):
     caplog.set_level(logging.WARNING, logger="mla_tune.vllm_plugin")
     config = vllm_host.engine_config(models["DeepSeek-V3.2"], attention_backend="MLA_TUNE_TRITON_SPARSE",
-                                     kv_cache_dtype="fp8_ds_mla")
+                                     block_size=16)
     assert config.attention_config.backend is None  # vLLM's normal selection
     ours = [r for r in caplog.records if "cannot run this model" in r.getMessage()]
     assert len(ours) == 1
-    assert "MLA_TUNE_TRITON_SPARSE does not support kv_cache_dtype fp8_ds_mla" in ours[0].getMessage()
-
-
-def test_vllms_automatic_choice_is_unchanged_by_registration(vllm_host, models):
-    # Our backends are not in vLLM's priority list: without a flag (or a tuned table) vLLM picks its own.
-    config = vllm_host.engine_config(models["DeepSeek-V3"], tensor_parallel_size=8)
-    assert config.attention_config.backend is None
-    assert not _select(config, sparse=False).__module__.startswith("mla_tune")
+    assert "MLA_TUNE_TRITON_SPARSE needs a block size that is a multiple of 64; got 16" in ours[0].getMessage()
