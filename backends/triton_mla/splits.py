@@ -9,11 +9,14 @@ lengths. Either way `batch x num_splits <= batch + 4 x SMs`, which bounds the wo
 
 from __future__ import annotations
 
-import triton
-
 from mla_tune.backends.triton_mla.config import MAX_SPLITS, LaunchParams, Tile, packed_rows
 from mla_tune.backends.triton_mla.dispatch import PARTIAL_ROW_TOKENS, default_tile
 
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints; `triton.cdiv` costs about 100x more, and `balanced_splits` loops over lengths."""
+    return -(-a // b)
 
 def choose_splits(*, batch: int, m_blocks: int, max_items: int, num_sms: int,
                   min_split_tokens: int = 256, waves: int = 2) -> int:
@@ -39,27 +42,27 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
     batch, max_len = len(lengths), max(max(lengths), 1)
     cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
     slots = num_sms * per_sm
-    lo = triton.cdiv(max(min_split_tokens, block_n), block_n) * block_n
-    hi = triton.cdiv(max_len, block_n) * block_n
-    best_cost, best_s = None, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n
+    lo = cdiv(max(min_split_tokens, block_n), block_n) * block_n
+    hi = cdiv(max_len, block_n) * block_n
+    best_cost, best_s = None, cdiv(cdiv(max_len, cap), block_n) * block_n
     step = block_n * max(1, (hi // block_n) // 256)  # at most ~256 candidates
     for s in range(lo, max(hi, lo) + 1, step):
-        if triton.cdiv(max_len, s) > cap:
+        if cdiv(max_len, s) > cap:
             continue
-        programs = m_blocks * sum(max(1, triton.cdiv(n, s)) for n in lengths)
-        cost = triton.cdiv(programs, slots) * s
-        if triton.cdiv(max_len, s) > 1:
+        programs = m_blocks * sum(max(1, cdiv(n, s)) for n in lengths)
+        cost = cdiv(programs, slots) * s
+        if cdiv(max_len, s) > 1:
             cost += row_cost * block_h * programs
         if best_cost is None or cost <= best_cost:
             best_cost, best_s = cost, s
-    best_s = max(best_s, triton.cdiv(triton.cdiv(max_len, cap), block_n) * block_n)
-    return triton.cdiv(max_len, best_s), best_s
+    best_s = max(best_s, cdiv(cdiv(max_len, cap), block_n) * block_n)
+    return cdiv(max_len, best_s), best_s
 
 
 def m_blocks_of(params: LaunchParams | Tile, *, num_heads: int, q_len: int, sparse: bool) -> int:
     """Programs along the query axis of one request (grid dimension 0)."""
     rows = packed_rows(num_heads, q_len, sparse=sparse)
-    return triton.cdiv(rows, params.block_h) * (q_len if sparse else 1)
+    return cdiv(rows, params.block_h) * (q_len if sparse else 1)
 
 
 def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
@@ -84,7 +87,7 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
                            min_split_tokens=tile.min_split_tokens, waves=min(tile.per_sm, 4))
     if sparse or splits == 1:  # top-k slots are every sparse request's length; one split covers any length
         return LaunchParams(num_splits=splits, **fixed)
-    shortest = triton.cdiv(max(tile.min_split_tokens, tile.block_n), tile.block_n) * tile.block_n
+    shortest = cdiv(max(tile.min_split_tokens, tile.block_n), tile.block_n) * tile.block_n
     return LaunchParams(num_splits=splits, split_items=shortest, split_per_request=True, **fixed)
 
 
