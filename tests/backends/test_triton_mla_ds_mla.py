@@ -60,7 +60,10 @@ def make_case(*, heads: int, batch: int, topk: int, page_size: int, lengths: lis
     page = torch.gather(table.long(), 1, pos // page_size)
     rows = torch.where(topk_pos[:, 0] >= 0, page * stride_rows + pos % page_size, -1).to(torch.int32)
     to = dict(device=device)
-    return dict(q=q.to(**to), pages=pages.to(**to), table=table.to(**to),
+    # Copy the whole block, gaps included: `.to()` of the strided view alone would make it contiguous.
+    pages = block.to(**to)[:, :page_size]
+    assert pages.stride(0) == stride_rows * DS_MLA_BYTES
+    return dict(q=q.to(**to), pages=pages, table=table.to(**to),
                 seq_lens=torch.tensor(lengths, dtype=torch.int32, **to), topk=topk_pos.to(**to), rows=rows.to(**to),
                 sm_scale=1.0 / math.sqrt(192), page_size=page_size)
 
