@@ -320,9 +320,9 @@ def main(argv=None) -> int:
         line = run_case(Case(kind, heads, batch, kv_len), device, timed=cuda, spread=args.spread)
         lines.append(f"{line}  ({time.perf_counter() - started:.0f} s)")
         print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+        if args.out:  # rewritten after every case, so a run cut short keeps what it measured
+            with open(args.out, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
     return 1 if any("WRONG" in line or "failed" in line for line in lines) else 0
 
 
