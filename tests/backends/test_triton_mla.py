@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
+from interpreted import interpreted_worker
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -208,11 +207,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_worker(__file__, timeout_s=600)
 
 
 @pytest.mark.parametrize("case", sorted(COMBINE_CASES))

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
+from interpreted import interpreted_worker
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -172,11 +171,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_worker(__file__, timeout_s=900)
 
 
 def _check(result: dict) -> None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 
 import pytest
+from interpreted import interpreted_worker
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -143,11 +142,7 @@ def _worker(group: str) -> None:
 
 
 def _run_worker(group: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", group], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_worker(__file__, group)
 
 
 @pytest.fixture(scope="module")
