@@ -33,24 +33,35 @@ def _backend_class(name: str):
         return _class_from_source(AttentionBackendEnum[name].get_path())
 
 
+_FACTS = ("supported_kv_cache_dtypes", "supports_compute_capability", "get_supported_kernel_block_sizes")
+
+
 def _class_from_source(path: str):
-    """The three class facts these tests read, from the class body in vLLM's source (no import of its module)."""
+    """The three class facts these tests read, from the class bodies in vLLM's source (no import of its modules):
+    the class's own, else its bases' (a base imported from another module is followed there)."""
+    import types
+
+    cls_name = path.rpartition(".")[2]
+    facts = _facts_from_source(path)
+    assert len(facts) == 3, f"{path}: found only {sorted(facts)} in its class body and bases"
+    return types.new_class(cls_name, (), {}, lambda ns: ns.update(facts))
+
+
+def _facts_from_source(path: str) -> dict:
     import ast
     import importlib.util
     import pathlib
-    import types
 
     from vllm.v1.attention.backend import MultipleOf
 
     module, _, cls_name = path.rpartition(".")
     tree = ast.parse(pathlib.Path(importlib.util.find_spec(module).origin).read_text())
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name).body
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
     facts = {}
-    for node in body:
+    for node in cls.body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "supported_kv_cache_dtypes":
             facts["supported_kv_cache_dtypes"] = ast.literal_eval(node.value)
-        elif isinstance(node, ast.FunctionDef) and node.name in ("supports_compute_capability",
-                                                                 "get_supported_kernel_block_sizes"):
+        elif isinstance(node, ast.FunctionDef) and node.name in _FACTS:
             node.decorator_list, node.returns = [], None
             for arg in node.args.args + node.args.kwonlyargs:
                 arg.annotation = None
@@ -59,8 +70,16 @@ def _class_from_source(path: str):
             fn = namespace[node.name]
             facts[node.name] = (staticmethod(fn) if node.name.startswith("get_")
                                 else classmethod(fn))
-    assert len(facts) == 3, f"{path}: found only {sorted(facts)} in its class body"
-    return types.new_class(cls_name, (), {}, lambda ns: ns.update(facts))
+    imported = {alias.asname or alias.name: f"{node.module}.{alias.name}" for node in tree.body
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    local = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    for base in (b.id for b in cls.bases if isinstance(b, ast.Name)):
+        if len(facts) == 3:
+            break
+        where = f"{module}.{base}" if base in local else imported.get(base)
+        if where and not where.endswith(".AttentionBackend"):
+            facts = {**_facts_from_source(where), **facts}
+    return facts
 
 
 def _ours_kv(info) -> set[str]:
