@@ -15,6 +15,9 @@ from dataclasses import dataclass
 KV_CACHE_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla",
                    "fp8_per_token_head", "int8_per_token_head", "nvfp4")
 QUERY_DTYPES = ("bf16", "fp16")
+# vLLM's fp8_ds_mla row: 512 e4m3 latent values, a float32 scale per DS_MLA_GROUP of them, 64 bf16 RoPE values.
+DS_MLA_GROUP = 128
+DS_MLA_BYTES = 512 + 4 * (512 // DS_MLA_GROUP) + 2 * 64
 
 # Every spelling vLLM's `--kv-cache-dtype` accepts, plus the short ones,
 # mapped to the canonical name. "auto" means "the model's dtype", bf16 for
@@ -75,8 +78,8 @@ def normalize_query_dtype(spelling: str) -> str:
 
 
 def kv_bytes_per_element(kv_cache_dtype: str) -> float:
-    """Bytes one stored KV element occupies (fp8_ds_mla packs 656 B per 576-wide token)."""
-    return {"bf16": 2.0, "fp16": 2.0, "nvfp4": 0.5, "fp8_ds_mla": 656 / 576}.get(kv_cache_dtype, 1.0)
+    """Bytes one stored KV element occupies (fp8_ds_mla packs DS_MLA_BYTES per 576-wide token)."""
+    return {"bf16": 2.0, "fp16": 2.0, "nvfp4": 0.5, "fp8_ds_mla": DS_MLA_BYTES / 576}.get(kv_cache_dtype, 1.0)
 
 
 @dataclass(frozen=True)

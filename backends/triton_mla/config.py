@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_tune.backends.problem import DS_MLA_BYTES
+
 D_LATENT = 512
 D_ROPE = 64
-# vLLM's fp8_ds_mla row: D_LATENT e4m3 values, one float32 scale per DS_MLA_GROUP of them, D_ROPE bf16 values.
-DS_MLA_GROUP = 128
-DS_MLA_BYTES = D_LATENT + 4 * (D_LATENT // DS_MLA_GROUP) + 2 * D_ROPE
 MAX_SPLITS = 64
 
 # The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+

@@ -24,15 +24,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from mla_tune.backends.interface import BackendUnavailable, DecodeInputs
-from mla_tune.backends.problem import Problem
+from mla_tune.backends.problem import DS_MLA_BYTES, DS_MLA_GROUP, Problem
 from mla_tune.backends.vllm_kernels import check_problem, global_slots, load, not_adopted
 
 if TYPE_CHECKING:
     import torch
 
 HEAD_DIM_V = 512
-DS_MLA_BYTES = 656            # bytes per token of vLLM's fp8_ds_mla layout
-DS_MLA_TILE = 128             # e4m3 values per float32 scale
 MIN_HEADS_FOR_BF16_PREFILL = 32   # vLLM's flashmla_sparse.py: fewer heads take the mixed-batch FP8 path
 SPARSE_PAGE = 64              # FlashMLA's sparse FP8 kernel reads 64-token pages
 
@@ -93,7 +91,7 @@ def quantize_fp8_ds_mla(values: "torch.Tensor", out: "torch.Tensor | None" = Non
 
     if values.shape[-1] != 576:
         raise ValueError(f"fp8_ds_mla quantises [..., 576] values, got {tuple(values.shape)}")
-    groups = values[..., :512].float().unflatten(-1, (512 // DS_MLA_TILE, DS_MLA_TILE))
+    groups = values[..., :512].float().unflatten(-1, (512 // DS_MLA_GROUP, DS_MLA_GROUP))
     scales = (groups.abs().amax(-1) / 448.0).clamp(min=1e-10)
     latent = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
     return _write_fp8_ds_mla(latent, scales, values[..., 512:], out)
@@ -106,7 +104,7 @@ def unpack_fp8_ds_mla(rows: "torch.Tensor") -> "torch.Tensor":
     latent = rows[..., :512].contiguous().view(torch.float8_e4m3fn).float()
     scales = rows[..., 512:528].contiguous().view(torch.float32)
     rope = rows[..., 528:].contiguous().view(torch.bfloat16).float()
-    latent = (latent.unflatten(-1, (512 // DS_MLA_TILE, DS_MLA_TILE)) * scales.unsqueeze(-1)).flatten(-2)
+    latent = (latent.unflatten(-1, (512 // DS_MLA_GROUP, DS_MLA_GROUP)) * scales.unsqueeze(-1)).flatten(-2)
     return torch.cat([latent, rope], dim=-1)
 
 
