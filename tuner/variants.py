@@ -120,30 +120,20 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
 
 
 def unit_lengths(problem: Problem, shape: Shape, *, seed: int) -> list[int]:
-    """What our adapter chooses splits from: the inputs' lengths (dense) or top-k per request (sparse)."""
+    """What our adapter chooses splits from for the inputs a unit makes (`adapter.unit_lengths`)."""
     from mla_tune.backends.inputs import ragged_lengths
+    from mla_tune.backends.triton_mla.adapter import unit_lengths as adapter_lengths
 
-    if problem.sparse:
-        return [problem.topk] * shape.batch_size
-    return ragged_lengths(shape, page_size=problem.page_size, min_len=problem.q_len, seed=seed)
+    return adapter_lengths(problem, ragged_lengths(shape, page_size=problem.page_size, min_len=problem.q_len,
+                                                   seed=seed))
 
 
 def our_launches(problem: Problem, shape: Shape, *, num_sms: int, cc_major: int | None, seed: int) -> list:
-    """The launches a unit times for our kernel at `shape` (`TritonMLA.tile_candidates`, computed without
-    inputs)."""
-    from mla_tune.backends.triton_mla.dispatch import candidate_tiles
-    from mla_tune.backends.triton_mla.splits import params_for
+    """The launches a unit times for our kernel at `shape` (`adapter.candidate_launches`, without inputs)."""
+    from mla_tune.backends.triton_mla.adapter import candidate_launches
 
     lengths = unit_lengths(problem, shape, seed=seed)
-    facts = dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=shape.batch_size,
-                 max_items=max(max(lengths), 1), sparse=problem.sparse,
-                 kv_fp8=problem.kv_cache_dtype == "fp8_e4m3", cc_major=cc_major)
-    out = []
-    for tile in candidate_tiles(**facts):
-        params = params_for(tile, **facts, num_sms=num_sms, lengths=lengths)
-        if params not in out:
-            out.append(params)
-    return out
+    return [params for _, params in candidate_launches(problem, lengths=lengths, num_sms=num_sms, cc_major=cc_major)]
 
 
 def vllm_build(problem: Problem, kv_len: int, *, num_sms: int) -> tuple:

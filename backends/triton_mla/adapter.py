@@ -10,7 +10,7 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.config import D_LATENT, PARAM_SPACE, LaunchParams, Tile, cc_major, sm_count
-from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
+from mla_tune.backends.triton_mla.dispatch import candidate_tiles
 from mla_tune.backends.triton_mla.launcher import launch
 from mla_tune.backends.triton_mla.splits import params_for
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -19,6 +19,33 @@ from mla_tune.backends.triton_mla.workspace import Workspace
 def reads_ds_mla(problem: Problem) -> bool:
     """Whether the kernel reads vLLM's fp8_ds_mla rows for `problem` (what vLLM hands it for that cache dtype)."""
     return problem.kv_cache_dtype == "fp8_ds_mla"
+
+
+def unit_lengths(problem: Problem, seq_lens: list[int]) -> list[int]:
+    """What the splits are chosen from: the requests' lengths (dense) or top-k per request (sparse)."""
+    return [problem.topk] * len(seq_lens) if problem.sparse else list(seq_lens)
+
+
+def launch_facts(problem: Problem, *, lengths: list[int], cc_major: int | None) -> dict:
+    """What the dispatch chooses a tile from (`dispatch.default_tile`, `candidate_tiles`), for `unit_lengths`."""
+    return dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=len(lengths), max_items=max(max(lengths), 1),
+                sparse=problem.sparse, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
+                ds_mla=reads_ds_mla(problem), cc_major=cc_major)
+
+
+def candidate_launches(problem: Problem, *, lengths: list[int], num_sms: int,
+                       cc_major: int | None) -> list[tuple[Tile, LaunchParams]]:
+    """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with its
+    parameters for `unit_lengths`, without tiles that come to the same parameters. The pre-build lists its builds
+    from the same function, before any inputs exist."""
+    facts = launch_facts(problem, lengths=lengths, cc_major=cc_major)
+    seen, out = set(), []
+    for tile in candidate_tiles(**facts):
+        params = params_for(tile, **facts, num_sms=num_sms, lengths=lengths)
+        if params not in seen:
+            seen.add(params)
+            out.append((tile, params))
+    return out
 
 
 class PreparedTritonMLA:
@@ -77,37 +104,24 @@ class TritonMLA:
         self.params = params
         self.tile = tile
 
-    def _shape(self, problem: Problem, inputs: DecodeInputs) -> tuple[dict, dict]:
-        """(what a tile is chosen from, what its splits are chosen from), from the inputs' lengths (a host sync,
-        untimed) and the GPU."""
-        batch, device = inputs.q.shape[0], inputs.q.device
-        lengths = [problem.topk] * batch if self.sparse else [int(n) for n in inputs.seq_lens.tolist()]
-        facts = dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=batch, max_items=max(max(lengths), 1),
-                     sparse=self.sparse, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
-                     cc_major=cc_major(device))
-        return facts, dict(num_sms=sm_count(device), lengths=lengths)
+    @staticmethod
+    def _lengths(problem: Problem, inputs: DecodeInputs) -> list[int]:
+        """`unit_lengths` of the inputs (a host sync, untimed)."""
+        return unit_lengths(problem, [int(n) for n in inputs.seq_lens.tolist()])
 
     def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
         """The launch parameters `prepare` will use."""
         if self.params is not None:
             return self.params
-        facts, splits = self._shape(problem, inputs)
-        tile = self.tile
-        if tile is None and reads_ds_mla(problem):
-            tile = default_tile(**facts, ds_mla=True)
-        return params_for(tile, **facts, **splits)
+        device, lengths = inputs.q.device, self._lengths(problem, inputs)
+        return params_for(self.tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device)),
+                          num_sms=sm_count(device), lengths=lengths)
 
     def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
-        """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with
-        its parameters for these inputs, without tiles that come to the same parameters."""
-        facts, splits = self._shape(problem, inputs)
-        seen, out = set(), []
-        for tile in candidate_tiles(**facts, ds_mla=reads_ds_mla(problem)):
-            params = params_for(tile, **facts, **splits)
-            if params not in seen:
-                seen.add(params)
-                out.append((tile, params))
-        return out
+        """`candidate_launches` for these inputs on their GPU."""
+        device = inputs.q.device
+        return candidate_launches(problem, lengths=self._lengths(problem, inputs), num_sms=sm_count(device),
+                                  cc_major=cc_major(device))
 
     def prepare(self, problem: Problem, inputs: DecodeInputs) -> PreparedTritonMLA:
         check_inputs(problem, inputs)

@@ -8,7 +8,6 @@ import torch
 
 from mla_tune.backends.triton_mla.config import (
     D_LATENT, D_ROPE, DS_MLA_BYTES, LaunchParams, Tile, cc_major, is_ds_mla, sm_count, tile_from_dict)
-from mla_tune.backends.triton_mla.dispatch import default_tile
 from mla_tune.backends.triton_mla.launcher import launch
 from mla_tune.backends.triton_mla.splits import params_for
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -113,12 +112,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         max_items = topk_indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
         if tile is not None and not isinstance(tile, Tile):
             tile = tile_from_dict(dict(tile))  # a dict or mapping, e.g. `mla_tune.kernel_tile(...).tile`
-        if tile is None and is_ds_mla(kv_cache):
-            tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                                cc_major=cc_major(q.device), ds_mla=True)
+        ds_mla = is_ds_mla(kv_cache)
         params = params_for(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
-                            num_sms=sm_count(q.device), sparse=sparse, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn,
-                            cc_major=cc_major(q.device))
+                            num_sms=sm_count(q.device), sparse=sparse,
+                            kv_fp8=ds_mla or kv_cache.dtype == torch.float8_e4m3fn, cc_major=cc_major(q.device),
+                            ds_mla=ds_mla)
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
     workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,
