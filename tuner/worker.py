@@ -106,12 +106,13 @@ def _worker_main(conn, cuda_visible: str | None, device: str, gpu: str | None,
         bench = _load(bench_path)
         import torch  # here, so its import counts as worker start
 
-        facts = {"num_sms": 4, "cc_major": None}   # the CPU interpreter's (`triton_mla.config.sm_count`)
         if device == "cuda":
             torch.cuda.set_device(0)
             torch.cuda.init()
-            props = torch.cuda.get_device_properties(0)
-            facts = {"num_sms": props.multi_processor_count, "cc_major": props.major}
+        from mla_tune.backends.triton_mla.config import cc_major, sm_count
+
+        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        facts = {"num_sms": sm_count(dev), "cc_major": cc_major(dev)}   # what our kernel's dispatch reads
     except Exception as exc:  # noqa: BLE001
         conn.send(("fatal", f"worker could not start: {describe_exception(exc)}"))
         return

@@ -98,7 +98,7 @@ class MlaTuneTritonImpl(TritonMLAImpl):
         decode = attn_metadata.decode
         return dense_forward(q, kv_cache, decode.block_table, decode.seq_lens, max_seq_len=attn_metadata.max_seq_len,
                              scale=self.scale, kv_lora_rank=self.kv_lora_rank,
-                             k_scale=layer._k_scale if kv_cache.dtype == torch.float8_e4m3fn else None)
+                             k_scale=layer._k_scale)
 
 
 def q_capturing(q) -> bool:

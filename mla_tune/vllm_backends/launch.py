@@ -13,6 +13,14 @@ import torch
 MAX_DECODE_QUERY_LEN = 4  # query tokens per request our kernel runs in one launch
 
 
+def _kv_scale(kv_cache: torch.Tensor, k_scale: torch.Tensor | None):
+    """The kernel's `kv_scale`: vLLM's per-tensor `k_scale` (one value) for an e4m3 cache, None for any other (a
+    16-bit cache, or fp8_ds_mla rows with their own scales)."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        return None
+    return k_scale.reshape(()) if k_scale is not None else 1.0
+
+
 def dense_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, *, max_seq_len: int, scale: float,
                   kv_lora_rank: int = 512, k_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,11 +57,8 @@ def dense_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache:
         offsets = torch.arange(1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
         seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
         requests, query_len = tokens, 1
-    kv_scale = None
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        kv_scale = k_scale.reshape(()) if k_scale is not None else 1.0
     out, lse = mla_decode(q.view(requests, query_len, num_heads, width), kv_cache, block_table, seq_lens,
-                          sm_scale=scale, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale)
+                          sm_scale=scale, kv_lora_rank=kv_lora_rank, kv_scale=_kv_scale(kv_cache, k_scale))
     return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)
 
 
@@ -102,10 +107,8 @@ def sparse_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache
     else:  # blocks spaced apart: one row per page (vLLM's flat_kv_row_view)
         rows = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // row_stride) + block_size
         pages = kv_cache.as_strided((rows, 1, row_stride), (row_stride, row_stride, 1))
-    kv_scale = None
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        kv_scale = k_scale.reshape(()) if k_scale is not None else 1.0
     table, lengths = identity.get(pages.shape[0], pages.shape[1], tokens, q.device)
     out, lse = mla_decode(q.view(tokens, 1, num_heads, width), pages, table, lengths, sm_scale=scale,
-                          kv_lora_rank=kv_lora_rank, kv_scale=kv_scale, topk_indices=topk_rows[:tokens].unsqueeze(1))
+                          kv_lora_rank=kv_lora_rank, kv_scale=_kv_scale(kv_cache, k_scale),
+                          topk_indices=topk_rows[:tokens].unsqueeze(1))
     return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)

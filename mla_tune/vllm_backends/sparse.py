@@ -101,4 +101,4 @@ class MlaTuneTritonSparseImpl(SparseMLACommonImpl[MlaTuneTritonSparseMetadata]):
                             block_size: int, is_decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_forward(q, kv_cache, topk_indices, block_size=block_size, scale=self.scale,
                               identity=self._identity, kv_lora_rank=self.kv_lora_rank,
-                              k_scale=layer._k_scale if kv_cache.dtype == torch.float8_e4m3fn else None)
+                              k_scale=layer._k_scale)
