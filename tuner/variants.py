@@ -105,9 +105,10 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
     fixed = tuple((name, getattr(params, name)) for name in LAUNCH_FIELDS if name not in ("num_splits", "split_items"))
     form = None
     if params.warp_specialized:
-        form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
+        form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
                                               sparse=problem.sparse, splits=splits,
-                                              tiles=-(-params.split_items // params.block_n)).items()))
+                                              tiles=-(-params.split_items // params.block_n),
+                                              ds_mla=problem.kv_cache_dtype == "fp8_ds_mla").items()))
     # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.
     stage1 = ("stage1", problem.kv_cache_dtype, problem.query_dtype, q_len, problem.page_size, problem.sparse,
               splits > 1, fixed, form, ints)

@@ -65,10 +65,6 @@ def _validate_ds_mla(q, kv_cache, kv_scale) -> None:
         raise ValueError(f"an fp8_ds_mla kv_cache needs a bf16 query (its RoPE columns are bf16), got {q.dtype}")
     if kv_scale is not None:
         raise ValueError("an fp8_ds_mla kv_cache carries its own scales; pass kv_scale=None")
-    # The scales are read as float32 and the RoPE columns as bf16: every row must start on a 4-byte boundary.
-    if kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4:
-        raise ValueError(f"fp8_ds_mla rows must start on 4-byte boundaries: address {kv_cache.data_ptr()} and "
-                         f"strides {tuple(kv_cache.stride()[:2])} bytes")
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

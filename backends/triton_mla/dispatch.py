@@ -137,11 +137,6 @@ HOPPER_CONSUMER_FENCE = False
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
-# KV layouts the Hopper forms do not read, each with why: these take the tl tiles of the "fp8" kind.
-HOPPER_REFUSED_LAYOUTS = {
-    "fp8_ds_mla": "the Hopper forms' loaders cast e4m3 tiles under one per-tensor scale; fp8_ds_mla's per-token "
-                  "group scales and bf16 RoPE columns are read by the tl kernel only"}
-
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
 # The split model's cost of one split partial, in KV tokens of one program's time per packed query row.
@@ -179,16 +174,16 @@ def _hopper_tile(kind: str, bucket: int, *, batch: int, sparse: bool) -> Tile | 
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                  kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> Tile:
     """The heuristic's tile: on SM90 the first Hopper form whose table takes the shape (unless the requests are
-    short or the layout is in HOPPER_REFUSED_LAYOUTS), otherwise the tl kernel's tile for the rows bucket.
+    short), otherwise the tl kernel's tile for the rows bucket.
 
     Args:
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
         cc_major: the GPU's compute-capability major (None: the CPU interpreter).
-        ds_mla: the cache is vLLM's fp8_ds_mla (an FP8 kind).
+        ds_mla: the cache is vLLM's fp8_ds_mla (the FP8 kind's tiles).
     """
     kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
-    if cc_major in HOPPER_CC_MAJORS and not short and not ds_mla:
+    if cc_major in HOPPER_CC_MAJORS and not short:
         tile = _hopper_tile(kind, bucket, batch=batch, sparse=sparse)
         if tile is not None:
             return tile
@@ -208,17 +203,16 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                     kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
-    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows; none for a layout in
-    HOPPER_REFUSED_LAYOUTS), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
-    `PARAM_SPACE`); at most REFINE_MAX_TILES."""
+    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows), then the default with its
+    minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if cc_major in HOPPER_CC_MAJORS and not ds_mla:
+    if cc_major in HOPPER_CC_MAJORS:
         if default.warp_specialized:
-            family.append(table_tile(_kind(kv_fp8), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
+            family.append(table_tile(_kind(kv_fp8 or ds_mla), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, wide), wide})]
         if bucket >= wide:
             family.append(HOPPER_QK1_TILE)
@@ -232,32 +226,36 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
     return tiles
 
 
-def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool) -> int:
-    """The Hopper kernel's `STAGED_LOADERS`: `HOPPER_STAGED_LOADERS` in the narrow FP8 form, 1 elsewhere."""
-    if not kv_fp8 or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
+def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = False) -> int:
+    """The Hopper kernel's `STAGED_LOADERS`: `HOPPER_STAGED_LOADERS` in the narrow FP8 form, 1 elsewhere (and for
+    fp8_ds_mla rows, which two plain loaders read)."""
+    if not kv_fp8 or ds_mla or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
         return 1
     return HOPPER_STAGED_LOADERS[sparse]
 
 
 def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None,
-                      kv_words: bool = True) -> dict:
+                      kv_words: bool = True, ds_mla: bool = False) -> dict:
     """The Hopper kernel's constexprs that pick its form, registers and per-form switches for `params`.
 
     Args:
+        ds_mla: the cache is vLLM's fp8_ds_mla rows (`kv_fp8` too): their own loader, which in every form loads
+            the next tile ahead and (64-row forms) asks the L2 for the one after.
         tiles: the most KV tiles a program has (None: not known, as for an offline compile).
         kv_words: the cache's base and strides are whole 32-bit words (`launcher.kv_cache_in_words`), which the
             loader ahead reads it as.
     """
+    kv_fp8 = kv_fp8 or ds_mla
     form = (params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense")
     qk1 = form[0] == "qk1"
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
-    ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words
-    load_regs = HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
+    ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
+    load_regs = HOPPER_LOAD_REGS["ds_mla" if ds_mla else "fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
-        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse),
+        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
-        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS,
+        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla)

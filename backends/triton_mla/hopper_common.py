@@ -95,8 +95,8 @@ class Program:
 
 @aggregate
 class KvSource:
-    """Where a program's KV tiles come from: the paged cache, its block-table row, (sparse) its top-k row, and the
-    program's range of items."""
+    """Where a program's KV tiles come from: the paged cache (`DS_MLA`: vLLM's fp8_ds_mla rows, an FP8 kind), its
+    block-table row, (sparse) its top-k row, and the program's range of items."""
 
     kv_ptr: base_value
     bt_row: base_value
@@ -111,10 +111,11 @@ class KvSource:
     PAGE_SIZE: gl.constexpr
     SPARSE: gl.constexpr
     KV_FP8: gl.constexpr
+    DS_MLA: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N,
-                 PAGE_SIZE, SPARSE, KV_FP8):
+                 PAGE_SIZE, SPARSE, KV_FP8, DS_MLA):
         values = locals()
         for name in ("kv_ptr", "bt_row", "topk_row", "seq_len", "start", "n_tiles", "end", "stride_kvp", "stride_kvt"):
             setattr(self, name, _value(values[name]))
@@ -122,6 +123,7 @@ class KvSource:
         self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
         self.SPARSE = gl.constexpr(SPARSE)
         self.KV_FP8 = gl.constexpr(KV_FP8)
+        self.DS_MLA = gl.constexpr(DS_MLA)
 
 
 @aggregate
@@ -144,13 +146,14 @@ class Ring:
         self.STAGES = gl.constexpr(STAGES)
 
 
-def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False) -> int:
+def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False,
+                      ds_mla: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
-    narrow form, `p` and (FP8) the staging ring of two half tiles of e4m3 bytes; in the qk1 form the rescale factors a
-    slot and the row sums (p itself goes over the slot's rope columns)."""
+    narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
+    the rescale factors a slot and the row sums (p itself goes over the slot's rope columns)."""
     narrow = rows < ROWS.value
     return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
-            + (block_n * 576 if narrow and kv_fp8 else 0) + ((stages + 1) * rows * 4 if qk1 else 0))
+            + (block_n * 576 if narrow and kv_fp8 and not ds_mla else 0) + ((stages + 1) * rows * 4 if qk1 else 0))
 
 
 @gluon.jit

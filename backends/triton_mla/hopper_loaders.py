@@ -4,6 +4,8 @@ BF16/FP16 caches go straight into a slot with `cp.async`. FP8 caches are cast to
 e4m3 x fp16 product): `_load_partition` loads a tile into registers once its slot is free, casts and stores it;
 `_load_fp8_ahead` has the next tile's bytes in flight while it waits for the slot; `_load_partition_staged` (the
 narrow form, whose smaller query leaves room) stages the bytes in shared memory with `cp.async` a tile ahead.
+vLLM's fp8_ds_mla rows (`_load_ds_mla`) are dequantised on the way: each 128-value group times its float32 scale,
+the bf16 RoPE columns converted, all into fp16 slots, so the MMA warps see an FP8 cache's tile with scale 1.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 # Triton 3.8 renamed `cp.async`'s builtin to async_load (3.9 removed the old name; 3.6-3.7 have only the old)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
+from mla_tune.backends.problem import DS_MLA_BYTES
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _tile_positions
+
+DS_MLA_ROW_BYTES = gl.constexpr(DS_MLA_BYTES)
+DS_MLA_WORDS = gl.constexpr(DS_MLA_BYTES // 4)  # one fp8_ds_mla row in 32-bit words: 128 e4m3, 4 scales, 32 RoPE
+DS_MLA_MAX_SCALE = gl.constexpr(146.0)  # 448 x 146 = 65408: the largest group scale whose values fp16 holds
 
 
 @gluon.jit
@@ -80,13 +87,13 @@ def _store_chunks(dst_lat, dst_rope, xs):
 
 
 @gluon.jit
-def _prefetch_rows(row, ok, kv_ptr):
-    """Ask the L2 for every 128-byte line of a tile's FP8 rows (576 bytes each: the lines at offsets 0, 128, 256, 384,
-    512 and 575 cover them), `prefetch.global.L2`: no registers, nothing to wait for. Invalid rows ask for the cache's
-    first line. `row` / `ok` in the register loader's row layout."""
+def _prefetch_rows(row, ok, kv_ptr, ROW_BYTES: gl.constexpr = 576):
+    """Ask the L2 for every 128-byte line of a tile's FP8 rows (`ROW_BYTES` each, at most 8 lines: the lines at
+    offsets 0, 128, ... and ROW_BYTES - 1 cover them), `prefetch.global.L2`: no registers, nothing to wait for.
+    Invalid rows ask for the cache's first line. `row` / `ok` in the register loader's row layout."""
     layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [LOAD_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, layout)
-    offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, 575)
+    offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, ROW_BYTES - 1)
     base = gl.where(gl.convert_layout(ok, rows), gl.convert_layout(row, rows), kv_ptr)
     gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base[:, None] + offs[None, :]],
                               dtype=gl.int32, is_pure=False, pack=1)
@@ -155,6 +162,9 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
     the L2 for the next tile's lines before it waits for that tile's slot; with `AHEAD` (FP8) it loads the next
     tile's bytes before the wait instead (`_load_fp8_ahead`).
     """
+    if src.DS_MLA:
+        _load_ds_mla(src, ring, FIRST, STRIDE, PREFETCH)
+        return
     if src.KV_FP8 and AHEAD:
         gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
         _load_fp8_ahead(src, ring, PREFETCH)
@@ -231,3 +241,115 @@ def _load_partition_staged(src: KvSource, ring: Ring, stage, FIRST_HALF: gl.cons
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
     async_copy.wait_group(0)  # the copies past the end (zero-filled, no reads) before the program exits
+
+
+@gluon.jit
+def _ds_mla_rows(src: KvSource, n0, layout: gl.constexpr):
+    """Word pointers to the fp8_ds_mla rows of the tile starting at item `n0` (in `layout`'s rows) and their
+    validity. Rows start on 16-byte boundaries (`decode._validate_ds_mla`), which lets the loads be 16 bytes wide."""
+    pos, ok = _tile_positions(n0, src.end, src.seq_len, src.topk_row, gl.SliceLayout(1, layout), src.BLOCK_N,
+                              src.SPARSE)
+    page = gl.load(src.bt_row + pos // src.PAGE_SIZE, mask=ok, other=0)
+    offs = page.to(gl.int64) * (src.stride_kvp // 4) + (pos % src.PAGE_SIZE) * DS_MLA_WORDS
+    return src.kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.multiple_of(offs, 4), ok
+
+
+@gluon.jit
+def _ds_mla_load(row, ok, cols, rope_cols):
+    """One tile's fp8_ds_mla rows in registers, as 32-bit words (zeros where invalid): eight `[rows, 16]` latent
+    chunks of four e4m3 values a word, the four float32 group scales `[rows]`, the RoPE as `[rows, 32]` bf16 pairs;
+    every load issued before any is used."""
+    ptrs = row[:, None] + cols[None, :]
+    mask = ok[:, None]
+    return (gl.load(ptrs, mask=mask, other=0), gl.load(ptrs + 16, mask=mask, other=0),
+            gl.load(ptrs + 32, mask=mask, other=0), gl.load(ptrs + 48, mask=mask, other=0),
+            gl.load(ptrs + 64, mask=mask, other=0), gl.load(ptrs + 80, mask=mask, other=0),
+            gl.load(ptrs + 96, mask=mask, other=0), gl.load(ptrs + 112, mask=mask, other=0),
+            gl.load(row + 128, mask=ok, other=0), gl.load(row + 129, mask=ok, other=0),
+            gl.load(row + 130, mask=ok, other=0), gl.load(row + 131, mask=ok, other=0),
+            gl.load(row[:, None] + 132 + rope_cols[None, :], mask=mask, other=0))
+
+
+@gluon.jit
+def _scale_pairs(scale_bits):
+    """The rows' float32 group scales (`[rows]`, their bits) as two fp16 pairs `[rows]` for `_scaled_words_to_fp16`:
+    the scale rounded to fp16 and what that rounding left off, each in both halves of a word. Capped at
+    DS_MLA_MAX_SCALE, so that 448 (e4m3's largest) times it stays finite in fp16."""
+    s = gl.minimum(scale_bits.to(gl.float32, bitcast=True), DS_MLA_MAX_SCALE)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 hi, lo; .reg .f32 h; cvt.rn.f16.f32 hi, $2; cvt.f32.f16 h, hi; sub.f32 h, $2, h; "
+        "cvt.rn.f16.f32 lo, h; mov.b32 $0, {hi, hi}; mov.b32 $1, {lo, lo}; }",
+        "=r,=r,r", [s], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _scaled_words_to_fp16(w, scale_hi, scale_lo):
+    """`[rows, 16]` words of four e4m3 values each times the rows' group scale (`_scale_pairs`) -> `[rows, 64]`
+    fp16, two values an instruction: the e4m3 -> fp16 cast is exact, then `fma(x, hi, x * lo)` rounds once more.
+    The low part keeps the scale's own fp16 rounding, the same for the group's 128 values, out of every score."""
+    w, hi = gl.broadcast(w, gl.expand_dims(scale_hi, 1))
+    w, lo = gl.broadcast(w, gl.expand_dims(scale_lo, 1))
+    a, b, c, d = gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; .reg .b32 x, y, u, v; mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 x, l; "
+        "cvt.rn.f16x2.e4m3x2 y, h; mul.rn.f16x2 u, x, $6; mul.rn.f16x2 v, y, $6; fma.rn.f16x2 x, x, $5, u; "
+        "fma.rn.f16x2 y, y, $5, v; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r,r,r", [w, hi, lo], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
+        pack=1)
+    x = gl.join(gl.join(a, c), gl.join(b, d))  # as in `_words_to_fp16`: a word's four values in order
+    return x.reshape(w.shape[0], 4 * w.shape[1])
+
+
+@gluon.jit
+def _bf16_words_to_fp16(w):
+    """`[rows, n]` words of two bf16 values each -> `[rows, 2n]` fp16 (bf16 -> fp32 is a shift; one saturating
+    rounding to fp16)."""
+    a, b = gl.inline_asm_elementwise(
+        "{ .reg .b32 lo, hi, x; shl.b32 lo, $2, 16; and.b32 hi, $2, 0xffff0000; "
+        "cvt.rn.satfinite.f16x2.f32 x, hi, lo; mov.b32 {$0, $1}, x; }",
+        "=h,=h,r", [w], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    return gl.join(a, b).reshape(w.shape[0], 2 * w.shape[1])
+
+
+@gluon.jit
+def _store_ds_mla(ring: Ring, slot, tile):
+    """A tile from `_ds_mla_load` into ring slot `slot`: latent chunk `c` times its group's scale (`c // 2`)."""
+    hi0, lo0 = _scale_pairs(tile[8])
+    hi1, lo1 = _scale_pairs(tile[9])
+    hi2, lo2 = _scale_pairs(tile[10])
+    hi3, lo3 = _scale_pairs(tile[11])
+    his = (hi0, hi1, hi2, hi3)
+    los = (lo0, lo1, lo2, lo3)
+    for c in gl.static_range(8):
+        ring.k_lat.index(slot).slice(c * 64, 64, dim=1).store(
+            _scaled_words_to_fp16(tile[c], his[c // 2], los[c // 2]))
+    ring.k_rope.index(slot).store(_bf16_words_to_fp16(tile[12]))
+
+
+@gluon.jit
+def _load_ds_mla(src: KvSource, ring: Ring, FIRST: gl.constexpr, STRIDE: gl.constexpr, PREFETCH: gl.constexpr):
+    """The loader of vLLM's fp8_ds_mla rows (656 bytes: 512 e4m3 values, a float32 scale per 128, 64 bf16 RoPE
+    values), for tiles `FIRST, FIRST + STRIDE, ...`: the next tile's words are in flight while it waits for that
+    tile's slot (as in `_load_fp8_ahead`, 88 registers of them); once the slot is free each 128-value group is
+    multiplied by its scale in fp16 and the tile stored; with `PREFETCH` it asks the L2 for the lines of the tile
+    after the next one (`_prefetch_rows`). Needs `config.HOPPER_LOAD_REGS["ds_mla"]`."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
+    BLOCK_N: gl.constexpr = src.BLOCK_N
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+    rope_cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+    row, ok = _ds_mla_rows(src, src.start + FIRST * BLOCK_N, layout)
+    tile = _ds_mla_load(row, ok, cols, rope_cols)
+    row, ok = _ds_mla_rows(src, src.start + (FIRST + STRIDE) * BLOCK_N, layout)
+    if PREFETCH:
+        if FIRST + STRIDE < src.n_tiles:
+            _prefetch_rows(row.to(src.kv_ptr.dtype, bitcast=True), ok, src.kv_ptr, DS_MLA_ROW_BYTES)
+    for t in range(FIRST, src.n_tiles, STRIDE):
+        slot = t % ring.STAGES
+        mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
+        _store_ds_mla(ring, slot, tile)
+        fence_async_shared()
+        mbarrier.arrive(ring.full_bars.index(slot))
+        tile = _ds_mla_load(row, ok & (t + STRIDE < src.n_tiles), cols, rope_cols)
+        row, ok = _ds_mla_rows(src, src.start + (t + 2 * STRIDE) * BLOCK_N, layout)
+        if PREFETCH:
+            if t + 2 * STRIDE < src.n_tiles:
+                _prefetch_rows(row.to(src.kv_ptr.dtype, bitcast=True), ok, src.kv_ptr, DS_MLA_ROW_BYTES)

@@ -5,7 +5,7 @@ With 64 rows on wgmma's M, 16 heads would leave 3/4 of every MMA padding. Here t
 p^T from shared memory), and the softmax over the tokens needs no exchange with another warpgroup. The query takes
 18-36 KiB instead of 72, which leaves room for an FP8 staging ring (`hopper_loaders._load_partition_staged`): one
 loader warpgroup for a dense cache, two for a sparse one (their lookups and gathers run side by side); 16-bit
-caches use two plain loaders, one per slot.
+caches and fp8_ds_mla rows use two plain loaders, one per slot.
 """
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program):
 def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
                 LOAD_REGS: gl.constexpr):
     """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
-    warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain 16-bit
-    ones, one per slot)."""
+    warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
+    per slot, for a 16-bit cache or fp8_ds_mla rows)."""
     mma_dtype: gl.constexpr = gl.float16 if prog.KV_FP8 else prog.q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(mma_dtype, [prog.N_ROWS, prog.BLOCK_N], smem_layout)
-    if prog.KV_FP8:
+    if prog.KV_FP8 and not src.DS_MLA:
         stage = gl.allocate_shared_memory(src.kv_ptr.dtype.element_ty, [18, prog.BLOCK_N // 2, 64],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if STAGED_LOADERS == 2:

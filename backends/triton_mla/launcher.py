@@ -6,8 +6,8 @@ import torch
 import triton
 
 from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
-from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, HOPPER_MAXNREG, LaunchParams, is_ds_mla
-from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, HOPPER_REFUSED_LAYOUTS, hopper_constexprs
+from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, is_ds_mla
+from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
 from mla_tune.backends.triton_mla.splits import m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -45,7 +45,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     Args:
         q: `[batch, q_len, heads, 576]`, last dim contiguous.
         kv_cache: `[num_pages, page_size, 576]`, last dim contiguous; or vLLM's fp8_ds_mla rows, uint8
-            `[num_pages, page_size, 656]` (tl tiles with `split_d` only; their own scales, `kv_scale` ignored).
+            `[num_pages, page_size, 656]` (the Hopper forms, or tl tiles with `split_d`; their own scales, `kv_scale`
+            ignored).
         out: `[batch, q_len, heads, 512]` in q's dtype (written).
         lse: fp32 `[batch, q_len, heads]` (written).
         kv_scale: None, a float, or a 0-d fp32 tensor on q's device.
@@ -55,7 +56,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     sparse = topk_indices is not None
     ds_mla = is_ds_mla(kv_cache)
     if ds_mla:
-        _check_ds_mla(params)
+        _check_ds_mla(params, kv_cache)
         kv_cache, kv_scale = kv_cache.view(torch.float8_e4m3fn), None  # the e4m3 bytes; scales are read per row
     kv_cast = kv_cache.dtype != q.dtype
     scale_is_ptr = isinstance(kv_scale, torch.Tensor)
@@ -104,14 +105,18 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     return compiled
 
 
-def _check_ds_mla(params: LaunchParams) -> None:
-    """Raise ValueError where `params` cannot read fp8_ds_mla rows (the tl kernel's four column blocks map onto
-    the row's four scale groups)."""
-    if params.warp_specialized:
-        raise ValueError(f"fp8_ds_mla runs on the tl kernel only: {HOPPER_REFUSED_LAYOUTS['fp8_ds_mla']}")
-    if not params.split_d or params.split_scores:
-        raise ValueError(f"fp8_ds_mla needs split_d (one column block per scale group) without split_scores; "
-                         f"got split_d={params.split_d}, split_scores={params.split_scores}")
+def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:
+    """Raise ValueError where fp8_ds_mla rows cannot be read: they must lie as vLLM and FlashMLA lay them out
+    (contiguous rows from a 16-byte aligned address, page stride a multiple of 16 bytes: the Hopper loader reads
+    16 bytes at a time), and a tl tile needs `split_d` (its four column blocks are the row's four scale groups)."""
+    if kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16 or kv_cache.stride(1) != DS_MLA_BYTES \
+            or kv_cache.stride(2) != 1:
+        raise ValueError(f"fp8_ds_mla rows must be contiguous ({DS_MLA_BYTES} bytes apart) from a 16-byte aligned "
+                         f"address, with a page stride that is a multiple of 16 bytes: got address "
+                         f"{kv_cache.data_ptr()} and strides {tuple(kv_cache.stride())} bytes")
+    if not params.warp_specialized and (not params.split_d or params.split_scores):
+        raise ValueError(f"fp8_ds_mla on the tl kernel needs split_d (one column block per scale group) without "
+                         f"split_scores; got split_d={params.split_d}, split_scores={params.split_scores}")
 
 
 def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int) -> None:
@@ -135,6 +140,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
-                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache))
+                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache),
+                             ds_mla=kv_cache.shape[-1] == DS_MLA_BYTES)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)

@@ -60,8 +60,8 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`qk1`: the qk1 form), with the constexprs `dispatch.hopper_constexprs` gives a one-split launch, then
-    `overrides`."""
+    (`qk1`: the qk1 form), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs
+    `dispatch.hopper_constexprs` gives a one-split launch, then `overrides`."""
     import subprocess
     import tempfile
 
@@ -72,11 +72,12 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     from mla_tune.backends.triton_mla.dispatch import HOPPER_QK1_TILE, HOPPER_TILES, hopper_constexprs
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
 
-    fp8 = kv == "fp8"
+    ds_mla = kv == "fp8_ds_mla"
+    fp8 = kv == "fp8" or ds_mla
     params = LaunchParams(**(HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows]).launch_fields())
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
-                 **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1))
+                 **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1, ds_mla=ds_mla))
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}

@@ -82,13 +82,17 @@ def errors(out, lse, ref_out, ref_lse) -> dict:
             "some_unseen": bool((~seen).any())}
 
 
-def run_decode(case: dict, params: dict | None) -> dict:
-    """`mla_decode` on the paged fp8_ds_mla cache (`params` None: the dispatched tile)."""
+def run_decode(case: dict, params: dict | None, *, dense: bool = False) -> dict:
+    """`mla_decode` on the paged fp8_ds_mla cache (`params` None: the dispatched tile); `dense`: every key of each
+    request instead of its top-k."""
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
 
+    topk = None if dense else case["topk"]
     out, lse = mla_decode(case["q"], case["pages"], case["table"], case["seq_lens"], sm_scale=case["sm_scale"],
-                          topk_indices=case["topk"], params=LaunchParams(**params) if params else None)
-    return errors(out, lse, *reference(case))
+                          topk_indices=topk, params=LaunchParams(**params) if params else None)
+    ref = mla_reference(case["q"], unpack_fp8_ds_mla(case["pages"]), case["table"], case["seq_lens"],
+                        sm_scale=case["sm_scale"], topk_indices=topk)
+    return errors(out, lse, *ref)
 
 
 def run_vllm(case: dict) -> dict:
@@ -198,27 +202,54 @@ def test_interpreted_tuner_gates_every_candidate_on_the_packed_rows(interpreted_
     assert result["candidates"] >= 2 and not result["rejected"], result
 
 
-def test_hopper_forms_refuse_ds_mla_and_the_dispatch_keeps_it_on_tl_tiles():
-    from mla_tune.backends.triton_mla import LaunchParams, mla_decode
-    from mla_tune.backends.triton_mla.dispatch import HOPPER_REFUSED_LAYOUTS, candidate_tiles, default_tile
+def test_sm90_gives_ds_mla_the_fp8_hopper_tiles_and_other_gpus_the_tl_tiles():
+    from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
 
     for heads in (16, 32, 64, 128):
         for batch in (1, 64):
-            facts = dict(num_heads=heads, q_len=1, batch=batch, max_items=2048, sparse=True, cc_major=9)
-            assert not default_tile(**facts, ds_mla=True).warp_specialized
-            assert all(t.split_d and not t.split_scores and not t.warp_specialized
-                       for t in candidate_tiles(**facts, ds_mla=True))
+            facts = dict(num_heads=heads, q_len=1, batch=batch, max_items=2048, sparse=True)
+            assert default_tile(**facts, cc_major=9, ds_mla=True) == default_tile(**facts, cc_major=9, kv_fp8=True)
+            assert default_tile(**facts, cc_major=9, ds_mla=True).warp_specialized
+            assert candidate_tiles(**facts, cc_major=9, ds_mla=True) == candidate_tiles(**facts, cc_major=9,
+                                                                                        kv_fp8=True)
+            tl = candidate_tiles(**facts, cc_major=8, ds_mla=True)
+            assert all(t.split_d and not t.split_scores and not t.warp_specialized for t in tl)
+
+
+def test_misplaced_rows_and_wrong_inputs_are_refused_with_the_reason():
+    from mla_tune.backends.triton_mla import LaunchParams, mla_decode
+
     case = make_case(heads=16, batch=2, topk=8, page_size=16, lengths=[20, 5], gap_rows=0, seed=0, device="cpu")
-    hopper = LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=2, warp_specialized=True)
-    with pytest.raises(ValueError, match="tl kernel only: " + HOPPER_REFUSED_LAYOUTS["fp8_ds_mla"][:40]):
-        mla_decode(case["q"], case["pages"], case["table"], case["seq_lens"], sm_scale=0.1,
-                   topk_indices=case["topk"], params=hopper)
+    args = (case["table"], case["seq_lens"])
+    shifted = torch.zeros(case["pages"].numel() + 16, dtype=torch.uint8)[8:8 + case["pages"].numel()]
+    with pytest.raises(ValueError, match="16-byte aligned address"):
+        mla_decode(case["q"], shifted.view(case["pages"].shape), *args, sm_scale=0.1, topk_indices=case["topk"])
+    padded = torch.zeros(*case["pages"].shape[:2], DS_MLA_BYTES + 16, dtype=torch.uint8)[..., :DS_MLA_BYTES]
+    with pytest.raises(ValueError, match="must be contiguous"):
+        mla_decode(case["q"], padded, *args, sm_scale=0.1, topk_indices=case["topk"])
+    no_split_d = LaunchParams(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="needs split_d"):
+        mla_decode(case["q"], case["pages"], *args, sm_scale=0.1, topk_indices=case["topk"], params=no_split_d)
     with pytest.raises(ValueError, match="carries its own scales"):
-        mla_decode(case["q"], case["pages"], case["table"], case["seq_lens"], sm_scale=0.1, kv_scale=1.0,
-                   topk_indices=case["topk"])
+        mla_decode(case["q"], case["pages"], *args, sm_scale=0.1, kv_scale=1.0, topk_indices=case["topk"])
     with pytest.raises(ValueError, match="needs a bf16 query"):
-        mla_decode(case["q"].half(), case["pages"], case["table"], case["seq_lens"], sm_scale=0.1,
-                   topk_indices=case["topk"])
+        mla_decode(case["q"].half(), case["pages"], *args, sm_scale=0.1, topk_indices=case["topk"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", [dict(rows=16), dict(rows=32), dict(rows=64), dict(qk1=True)],
+                         ids=["narrow16", "narrow32", "token_split", "qk1"])
+def test_every_hopper_form_reads_ds_mla_rows_16_bytes_at_a_time(form):
+    # The loader's loads are 16 bytes wide (rows on 16-byte boundaries), each 128-value group is multiplied by its
+    # scale two values an instruction in fp16; the narrow form keeps no FP8 staging ring for them.
+    from offline_compile import hopper_compile
+
+    ptx, smem, _ = hopper_compile(kv="fp8_ds_mla", sparse=True, **form)
+    fp8_ptx, fp8_smem, _ = hopper_compile(kv="fp8", sparse=True, **form)
+    assert ptx.count("mul.rn.f16x2") >= 8 * 2
+    assert ptx.count("ld.global.v4.b32") >= 8 + 2
+    assert "cp.async" not in ptx
+    assert smem < fp8_smem if form.get("rows", 64) < 64 else smem == fp8_smem
 
 
 def test_quantiser_round_trips_and_lays_out_vllms_656_bytes():
@@ -255,7 +286,7 @@ def test_gpu_ds_mla_topk2048(heads, batch, page_size, gap_rows):
 def test_gpu_ds_mla_adapter(heads, batch):
     result = run_adapter(heads, batch, 6000, 2048, device="cuda")
     assert not result["nan"] and result["rel_err"] < REL_TOL and result["lse_err"] < LSE_TOL, result
-    assert result["tl"] and result["packed"] == 2
+    assert result["tl"] is (torch.cuda.get_device_capability()[0] != 9) and result["packed"] == 2
 
 
 @pytest.mark.gpu
@@ -270,6 +301,27 @@ def test_gpu_ds_mla_every_tl_switch(heads, tile):
     spec = dict(heads=heads, batch=6, topk=2048, page_size=64, lengths=[3000, 2049, 9000, 2100, 4444, 50],
                 gap_rows=64)
     _check(_run(spec, params, device="cuda", seed=3))
+
+
+HOPPER_FORMS = {"narrow16": dict(block_h=16, num_warps=4), "narrow32": dict(block_h=32, num_warps=4),
+                "token_split": dict(block_h=64, num_warps=8), "qk1": dict(block_h=64, num_warps=4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", sorted(HOPPER_FORMS))
+@pytest.mark.parametrize("heads", [16, 19, 64, 128])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_gpu_ds_mla_every_hopper_form(form, heads, dense):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forms need SM90")
+    params = dict(block_n=64, num_stages=2, warp_specialized=True, num_splits=3, **HOPPER_FORMS[form])
+    spec = dict(heads=heads, batch=6, topk=2048, page_size=64, lengths=[3000, 2049, 9000, 130, 4444, 50],
+                gap_rows=64)
+    case = make_case(**spec, seed=heads, device="cuda")
+    result = run_decode(case, params, dense=dense)
+    assert not result["nan"] and result["rel_err"] < REL_TOL and result["lse_err"] < LSE_TOL, result
+    if not dense:
+        assert result["some_unseen"] and result["unseen_rows_ok"], result
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
