@@ -240,7 +240,7 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
 
     Args:
         ds_mla: the cache is vLLM's fp8_ds_mla rows (`kv_fp8` too): their own loader, which in every form loads
-            the next tile ahead and (64-row forms) asks the L2 for the one after.
+            the next tile ahead and asks the L2 for the one after.
         tiles: the most KV tiles a program has (None: not known, as for an offline compile).
         kv_words: the cache's base and strides are whole 32-bit words (`launcher.kv_cache_in_words`), which the
             loader ahead reads it as.
