@@ -105,7 +105,7 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
     fixed = tuple((name, getattr(params, name)) for name in LAUNCH_FIELDS if name not in ("num_splits", "split_items"))
     form = None
     if params.warp_specialized:
-        form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
+        form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
                                               sparse=problem.sparse, splits=splits,
                                               tiles=-(-params.split_items // params.block_n),
                                               ds_mla=problem.kv_cache_dtype == "fp8_ds_mla").items()))

@@ -227,8 +227,8 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
 
 
 def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = False) -> int:
-    """The Hopper kernel's `STAGED_LOADERS`: `HOPPER_STAGED_LOADERS` in the narrow FP8 form, 1 elsewhere (and for
-    fp8_ds_mla rows, which two plain loaders read)."""
+    """The Hopper kernel's `STAGED_LOADERS` (also the arrivals that fill a narrow FP8 slot): `HOPPER_STAGED_LOADERS`
+    in the narrow FP8 form, 1 elsewhere and for fp8_ds_mla rows (two plain loaders, one arrival a tile)."""
     if not kv_fp8 or ds_mla or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
         return 1
     return HOPPER_STAGED_LOADERS[sparse]

@@ -94,9 +94,8 @@ def _mla_hopper_kernel(
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts
-        # (fp8_ds_mla: one per tile, its loaders taking whole tiles in turn).
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS and not DS_MLA else 1) if KV_FP8
+        # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
                       else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)

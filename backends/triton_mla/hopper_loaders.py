@@ -20,7 +20,6 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 from mla_tune.backends.problem import DS_MLA_BYTES
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _tile_positions
 
-DS_MLA_ROW_BYTES = gl.constexpr(DS_MLA_BYTES)
 DS_MLA_WORDS = gl.constexpr(DS_MLA_BYTES // 4)  # one fp8_ds_mla row in 32-bit words: 128 e4m3, 4 scales, 32 RoPE
 DS_MLA_MAX_SCALE = gl.constexpr(146.0)  # 448 x 146 = 65408: the largest group scale whose values fp16 holds
 
@@ -246,12 +245,10 @@ def _load_partition_staged(src: KvSource, ring: Ring, stage, FIRST_HALF: gl.cons
 @gluon.jit
 def _ds_mla_rows(src: KvSource, n0, layout: gl.constexpr):
     """Word pointers to the fp8_ds_mla rows of the tile starting at item `n0` (in `layout`'s rows) and their
-    validity. Rows start on 16-byte boundaries (`decode._validate_ds_mla`), which lets the loads be 16 bytes wide."""
-    pos, ok = _tile_positions(n0, src.end, src.seq_len, src.topk_row, gl.SliceLayout(1, layout), src.BLOCK_N,
-                              src.SPARSE)
-    page = gl.load(src.bt_row + pos // src.PAGE_SIZE, mask=ok, other=0)
-    offs = page.to(gl.int64) * (src.stride_kvp // 4) + (pos % src.PAGE_SIZE) * DS_MLA_WORDS
-    return src.kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.multiple_of(offs, 4), ok
+    validity; the rows are DS_MLA_WORDS words apart (`launcher._check_ds_mla`)."""
+    words = src.kv_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    return _tile_rows(n0, src.end, src.seq_len, src.topk_row, src.bt_row, words, src.stride_kvp // 4, DS_MLA_WORDS,
+                      layout, src.BLOCK_N, src.PAGE_SIZE, src.SPARSE)
 
 
 @gluon.jit
@@ -341,7 +338,7 @@ def _load_ds_mla(src: KvSource, ring: Ring, FIRST: gl.constexpr, STRIDE: gl.cons
     row, ok = _ds_mla_rows(src, src.start + (FIRST + STRIDE) * BLOCK_N, layout)
     if PREFETCH:
         if FIRST + STRIDE < src.n_tiles:
-            _prefetch_rows(row.to(src.kv_ptr.dtype, bitcast=True), ok, src.kv_ptr, DS_MLA_ROW_BYTES)
+            _prefetch_rows(row.to(src.kv_ptr.dtype, bitcast=True), ok, src.kv_ptr, DS_MLA_WORDS * 4)
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
@@ -352,4 +349,4 @@ def _load_ds_mla(src: KvSource, ring: Ring, FIRST: gl.constexpr, STRIDE: gl.cons
         row, ok = _ds_mla_rows(src, src.start + (t + 2 * STRIDE) * BLOCK_N, layout)
         if PREFETCH:
             if t + 2 * STRIDE < src.n_tiles:
-                _prefetch_rows(row.to(src.kv_ptr.dtype, bitcast=True), ok, src.kv_ptr, DS_MLA_ROW_BYTES)
+                _prefetch_rows(row.to(src.kv_ptr.dtype, bitcast=True), ok, src.kv_ptr, DS_MLA_WORDS * 4)

@@ -90,7 +90,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
         compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params,
-                                  tiles=triton.cdiv(most, params.block_n))
+                                  tiles=triton.cdiv(most, params.block_n), ds_mla=ds_mla)
     else:
         compiled = _mla_split_kernel[grid](
             *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,
@@ -133,14 +133,15 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
     )
 
 
-def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams, tiles: int):
-    """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`); `tiles`: the most KV tiles a program has."""
+def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams, tiles: int,
+                   ds_mla: bool = False):
+    """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`); `tiles`: the most KV tiles a program has;
+    `ds_mla`: `kv_cache` is fp8_ds_mla rows (viewed as e4m3)."""
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
     from mla_tune.backends.triton_mla import hopper
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
-                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache),
-                             ds_mla=kv_cache.shape[-1] == DS_MLA_BYTES)
+                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)

@@ -244,8 +244,12 @@ def test_every_hopper_form_reads_ds_mla_rows_16_bytes_at_a_time(form):
     # scale two values an instruction in fp16; the narrow form keeps no FP8 staging ring for them.
     from offline_compile import hopper_compile
 
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+
     ptx, smem, _ = hopper_compile(kv="fp8_ds_mla", sparse=True, **form)
     fp8_ptx, fp8_smem, _ = hopper_compile(kv="fp8", sparse=True, **form)
+    assert hopper_smem_bytes(block_n=64, stages=2, rows=form.get("rows", 64), kv_fp8=True, qk1="qk1" in form,
+                             ds_mla=True) <= smem
     assert ptx.count("mul.rn.f16x2") >= 8 * 2
     assert ptx.count("ld.global.v4.b32") >= 8 + 2
     assert "cp.async" not in ptx
