@@ -141,11 +141,10 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                             f"to tune again; {title} makes its own choice")
     fastest = scores.get(winner)
     plugin_name = engine_name(winner, engine, with_plugin=True)
-    if engine == "vllm" and plugin_missing is None and plugin_name and not BACKENDS[winner].vllm_name:
-        refused = plugin_refusals(winner, key)
-        if refused:
-            plugin_missing = "; ".join(refused)
-    if engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name and plugin_missing is None:
+    ours_through_plugin = engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name
+    if ours_through_plugin and plugin_missing is None:
+        plugin_missing = "; ".join(plugin_refusals(winner, key)) or None
+    if ours_through_plugin and plugin_missing is None:
         return EngineChoice(engine, winner, plugin_name, fastest, "winner",
                             f"the fastest kernel {winner} runs in vLLM through mla-tune's plugin as {plugin_name}"
                             + _versus_static(title, winner, fastest or 1.0, static_choice, scores))
@@ -162,7 +161,7 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                             + _versus_static(title, best, score or 1.0, static_choice, scores))
     ratio = f"{score / fastest:.2f}x" if score and fastest else "an unknown multiple of"
     plugin = ""
-    if engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name:
+    if ours_through_plugin:
         plugin = f" ({winner} cannot go to vLLM here: {plugin_missing})"
     return EngineChoice(engine, best, mapped, score, "engine_best",
                         f"{title}'s fastest own backend is {best}, {ratio} the time of the fastest kernel "
