@@ -10,7 +10,9 @@ max(KV bytes / copy bandwidth, FLOPs / matmul rate), both measured in the
 same run; "frac" is roofline time / measured time.
 
 Correctness is checked on the first --check-requests requests of each batch
-(the float32 reference is a per-request loop); the table says how many.
+(the float32 reference is a per-request loop); the table says how many. A
+backend that rounds the query to e4m3 with an FP8 cache (FlashMLA) is held to
+the gate's FP8-query threshold and its rows say "ok (q in e4m3)".
 
 Examples:
     python3 bench/kernels.py --quick
@@ -148,7 +150,7 @@ def _prepare_and_check(problem, inputs, names, args, env, base: dict) -> tuple[l
     from mla_tune.backends.interface import BackendUnavailable
     from mla_tune.backends.reference import mla_reference
     from mla_tune.backends.registry import backend_reasons, load_adapter
-    from mla_tune.tuner.gate import check_output
+    from mla_tune.tuner.gate import check_output, quantizes_query
 
     n_check = min(inputs.q.shape[0], args.check_requests)
     sub = subset(inputs, n_check)
@@ -169,8 +171,10 @@ def _prepare_and_check(problem, inputs, names, args, env, base: dict) -> tuple[l
         except Exception as exc:  # noqa: BLE001 - a failure is data
             rows.append({**base, "backend": name, "status": f"failed: {type(exc).__name__}: {exc}"[:160]})
             continue
-        verdict = check_output(out[:n_check], lse[:n_check], ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype)
-        row = {**base, "backend": name, "rel_err": verdict.rel_error}
+        fp8_query = quantizes_query(name, problem.kv_cache_dtype)
+        verdict = check_output(out[:n_check], lse[:n_check], ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype,
+                               fp8_query=fp8_query)
+        row = {**base, "backend": name, "rel_err": verdict.rel_error, "fp8_query": fp8_query}
         if not verdict.ok:
             rows.append({**row, "status": f"incorrect: {verdict.reason}"})
             continue
@@ -199,7 +203,8 @@ def _time_prepared(prepared: dict, inputs, args, env) -> list[dict]:
     rows = []
     for name, (_, row) in prepared.items():
         t = timings[name]
-        rows.append({**row, "status": "ok", "median_us": t.median_ms * 1e3,
+        status = "ok (q in e4m3)" if row.get("fp8_query") else "ok"
+        rows.append({**row, "status": status, "median_us": t.median_ms * 1e3,
                      "ci_us": (t.ci_low_ms * 1e3, t.ci_high_ms * 1e3), "samples": t.samples,
                      "frac": roof_ms / t.median_ms, "vs_best": t.median_ms / best})
     return rows
@@ -231,7 +236,7 @@ HEADER = (f"{'kv':<9}{'heads':>5}{'batch':>6}{'kv_len':>7}{'topk':>5}  {'backend
 
 
 def format_row(r: dict) -> str:
-    if r.get("status") == "ok":
+    if r.get("median_us") is not None:
         lo, hi = r["ci_us"]
         timing = (f"{r['median_us']:>10.1f}{f'{lo:.1f}-{hi:.1f}':>18}{r['samples']:>4}"
                   f"{r['vs_best']:>7.2f}{r['frac']:>6.2f}")

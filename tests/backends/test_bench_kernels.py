@@ -41,3 +41,28 @@ def test_rows_format_both_outcomes():
     assert "15.4" in ok and "15.2-15.6" in ok and "0.91" in ok and ok.endswith("ok")
     bad = bench.format_row({**base, "status": "unavailable: no", "rel_err": None})
     assert bad.endswith("unavailable: no")
+
+
+def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
+    bench, summary = load("kernels"), load("kernels_summary")
+    base = dict(kv="fp8_e4m3", heads=128, kv_len=4096, topk="-", ci_us=(1.0, 2.0), samples=5, vs_best=1.0,
+                rel_err=2e-3, checked="8/64")
+    rows = []
+    for batch, ours_us, flashmla_us in ((64, 100.0, 80.0), (128, 100.0, 150.0)):
+        rows.append({**base, "batch": batch, "backend": "MLA_TUNE_TRITON", "status": "ok", "median_us": ours_us,
+                     "frac": 0.5})
+        rows.append({**base, "batch": batch, "backend": "FLASHMLA", "status": "ok (q in e4m3)",
+                     "median_us": flashmla_us, "frac": 0.6})
+    rows.append({**base, "batch": 16, "backend": "FLASHMLA", "status": "incorrect: relative error 0.1",
+                 "rel_err": 0.1})
+    path = tmp_path / "k.txt"
+    path.write_text("\n".join([bench.HEADER] + [bench.format_row(r) for r in rows]) + "\n")
+
+    parsed = summary.parse_rows(path.read_text().splitlines())
+    assert len(parsed) == 4 and {r.kind for r in parsed} == {"dense FP8"}
+    table = summary.ratio_table(parsed)
+    # sqrt(0.8 * 1.5) = 1.10; ours loses at batch 64 only
+    assert table[2] == "| dense FP8 | FLASHMLA | 2 | 1.10 (0.80-1.50) | missed | h128 b64 kv4096 0.80 |"
+    assert summary.bandwidth_table(parsed)[2] == "| fp8_e4m3 | 128 | 2 | 0.50 (0.50-0.50) |"
+    assert summary.main([str(path)]) == 0
+    assert summary.main([str(tmp_path / "missing.txt")]) == 2

@@ -1,0 +1,136 @@
+"""Summarise `bench/kernels.py` result files against vLLM's Hopper kernels: one table per GPU.
+
+For each kind of problem (dense or sparse, bf16 or FP8 cache) and each competitor that ran beside our kernel
+(FlashMLA, FlashAttention-3's MLA path), it gives the competitor's time over ours on every shape both passed
+the correctness gate: geometric mean, range, and the shapes where ours is slower. Issue goals: never slower,
+geometric mean at least 1.15. It also gives our kernel's fraction of the roofline (kernels.py's "frac") where
+the issue sets a bandwidth goal: batch >= 64 and kv_len >= 4096.
+
+CPU only; reads the text files kernels.py writes.
+
+Example:
+    python3 bench/kernels_summary.py bench/results/kernels-h100-dense.txt bench/results/kernels-h100-sparse.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+OURS = {False: "MLA_TUNE_TRITON", True: "MLA_TUNE_TRITON_SPARSE"}
+COMPETITORS = {False: ("FLASHMLA", "FLASH_ATTN_MLA"), True: ("FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE")}
+GOAL_GEOMEAN = 1.15
+BANDWIDTH_MIN_BATCH = 64
+BANDWIDTH_MIN_KV_LEN = 4096
+
+
+@dataclass(frozen=True)
+class Row:
+    """One timed, correct row of a kernels.py table."""
+
+    kv: str
+    heads: int
+    batch: int
+    kv_len: int
+    sparse: bool
+    backend: str
+    median_us: float
+    frac: float
+
+    @property
+    def shape(self) -> tuple:
+        return self.kv, self.heads, self.batch, self.kv_len, self.sparse
+
+    @property
+    def kind(self) -> str:
+        return f"{'sparse' if self.sparse else 'dense'} {'FP8' if self.kv.startswith('fp8') else self.kv}"
+
+
+def parse_rows(lines) -> list[Row]:
+    """The rows of kernels.py tables that were timed and passed the gate; headers, comments and failures skipped."""
+    rows = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 14 or line.startswith("#") or parts[0] == "kv" or parts[13] != "ok":
+            continue
+        kv, heads, batch, kv_len, topk, backend, median, _ci, _n, _best, frac = parts[:11]
+        rows.append(Row(kv, int(heads), int(batch), int(kv_len), topk != "-", backend, float(median), float(frac)))
+    return rows
+
+
+def ratios(rows: list[Row]) -> dict[tuple[str, str], dict[tuple, float]]:
+    """{(kind, competitor): {shape: competitor time / our time}} over shapes where both are correct and timed."""
+    by_shape = defaultdict(dict)
+    for r in rows:
+        by_shape[r.shape][r.backend] = r
+    out = defaultdict(dict)
+    for shape, backends in by_shape.items():
+        ours = backends.get(OURS[shape[4]])
+        if ours is None:
+            continue
+        for name in COMPETITORS[shape[4]]:
+            if name in backends:
+                out[(ours.kind, name)][shape] = backends[name].median_us / ours.median_us
+    return out
+
+
+def _label(shape: tuple) -> str:
+    _, heads, batch, kv_len, _ = shape
+    return f"h{heads} b{batch} kv{kv_len}"
+
+
+def ratio_table(rows: list[Row]) -> list[str]:
+    """Markdown: one line per (kind, competitor) with the geometric mean, range and the shapes ours loses."""
+    lines = ["| kind | competitor | shapes | competitor / ours, geomean (range) | goal | shapes where ours is slower |",
+             "|---|---|---|---|---|---|"]
+    for (kind, name), per_shape in sorted(ratios(rows).items()):
+        values = list(per_shape.values())
+        geomean = math.exp(sum(math.log(v) for v in values) / len(values))
+        losses = sorted((v, s) for s, v in per_shape.items() if v < 1.0)
+        met = "met" if geomean >= GOAL_GEOMEAN and not losses else "missed"
+        lost = ", ".join(f"{_label(s)} {v:.2f}" for v, s in losses) or "none"
+        lines.append(f"| {kind} | {name} | {len(values)} | {geomean:.2f} ({min(values):.2f}-{max(values):.2f}) "
+                     f"| {met} | {lost} |")
+    return lines
+
+
+def bandwidth_table(rows: list[Row]) -> list[str]:
+    """Markdown: our dense kernel's roofline fraction at batch >= 64, kv_len >= 4096, by cache dtype and heads."""
+    fracs = defaultdict(list)
+    for r in rows:
+        if (r.backend == OURS[False] and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
+                and r.kv_len >= BANDWIDTH_MIN_KV_LEN):
+            fracs[(r.kv, r.heads)].append(r.frac)
+    lines = [f"| dense, batch >= {BANDWIDTH_MIN_BATCH}, kv_len >= {BANDWIDTH_MIN_KV_LEN} | heads | shapes "
+             f"| ours: fraction of the roofline, median (min-max) |", "|---|---|---|---|"]
+    for (kv, heads), values in sorted(fracs.items()):
+        lines.append(f"| {kv} | {heads} | {len(values)} | {statistics.median(values):.2f} "
+                     f"({min(values):.2f}-{max(values):.2f}) |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="kernels.py result files of one GPU")
+    args = p.parse_args(argv)
+    rows = []
+    for path in args.files:
+        try:
+            with open(path) as fh:
+                rows += parse_rows(fh)
+        except OSError as exc:
+            print(f"error: cannot read {path}: {exc.strerror}", file=sys.stderr)
+            return 2
+    if not rows:
+        print(f"error: no timed rows in {', '.join(args.files)}", file=sys.stderr)
+        return 2
+    print("\n".join(ratio_table(rows) + [""] + bandwidth_table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
