@@ -172,8 +172,8 @@ def _prepare_and_check(problem, inputs, names, args, env, base: dict) -> tuple[l
             rows.append({**base, "backend": name, "status": f"failed: {type(exc).__name__}: {exc}"[:160]})
             continue
         fp8_query = quantizes_query(name, problem.kv_cache_dtype)
-        verdict = check_output(out[:n_check], lse[:n_check], ref_out, ref_lse, kv_cache_dtype=problem.kv_cache_dtype,
-                               fp8_query=fp8_query)
+        verdict = check_output(out[:n_check], None if lse is None else lse[:n_check], ref_out, ref_lse,
+                               kv_cache_dtype=problem.kv_cache_dtype, fp8_query=fp8_query)
         row = {**base, "backend": name, "rel_err": verdict.rel_error, "fp8_query": fp8_query}
         if not verdict.ok:
             rows.append({**row, "status": f"incorrect: {verdict.reason}"})
@@ -187,10 +187,13 @@ def _time_prepared(prepared: dict, inputs, args, env) -> list[dict]:
     import torch
 
     from mla_tune.backends.inputs import kv_bytes_read
+    from mla_tune.backends.interface import adopt_rotation
     from mla_tune.tuner import timing
 
     free, _ = torch.cuda.mem_get_info()
     sets = timing.cold_l2_sets(inputs, free_bytes=int(free * 0.5))
+    for runner, _ in prepared.values():
+        adopt_rotation(runner, sets)  # adapters reading another cache layout convert each copy, untimed
     steps = {name: timing.capture_graph(lambda r=runner, sets=sets: [r.run(s) for s in sets],
                                         iterations_per_replay=len(sets))
              for name, (runner, _) in prepared.items()}
