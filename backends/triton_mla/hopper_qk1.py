@@ -154,26 +154,25 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
 @gluon.jit
 def _qk1_scores_ahead(q_lat, q_rope, q_regs, acc, m_i, l_i, zero_s, ring: Ring, exch: Qk1Exchange, prog: Program,
                       visible_len, s_layout: gl.constexpr, o_layout: gl.constexpr, REG_COLS: gl.constexpr):
-    """Warpgroup 0's tiles with the next tile's score MMAs issued before this tile's softmax, so the tensor cores work
-    while it runs. One wait a tile finishes both the next tile's scores and this tile's `p @ v`, after which this
-    tile's slot is released. Returns (output accumulator, running max, running sum)."""
+    """Warpgroup 0's tiles with the next tile's score MMAs issued right after this tile's `p @ v`, before waiting for
+    it, so the tensor cores go from one to the other without a gap. Returns (output accumulator, running max, running
+    sum)."""
     scores = zero_s
     if prog.n_tiles > 0:
         slot, phase = _full_slot(ring, 0, prog.FENCE_SLOTS)
         scores = warpgroup_mma_wait(num_outstanding=0,
                                     deps=(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS),))
     for t in range(prog.n_tiles):
+        pv, m_i, l_i = _qk1_tile(scores, acc, m_i, l_i, t, ring, exch, prog, visible_len, s_layout, o_layout, True)
         if t + 1 < prog.n_tiles:
             slot, phase = _full_slot(ring, t + 1, prog.FENCE_SLOTS)
             s = _qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS)
-            acc, m_i, l_i = _qk1_tile(scores, acc, m_i, l_i, t, ring, exch, prog, visible_len, s_layout, o_layout,
-                                      True)
-            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))  # groups finish in order: p @ v first
+            mbarrier.arrive(ring.empty_bars.index(t % ring.STAGES))
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         else:
-            acc, m_i, l_i = _qk1_tile(scores, acc, m_i, l_i, t, ring, exch, prog, visible_len, s_layout, o_layout,
-                                      True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(ring.empty_bars.index(t % ring.STAGES))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            mbarrier.arrive(ring.empty_bars.index(t % ring.STAGES))
     return acc, m_i, l_i
 
 
