@@ -173,8 +173,8 @@ def _why_not_ours(winner: str, *, plugin_scores: Mapping[str, float] | None, our
         return (f" ({winner} goes to vLLM only where the tune timed it as vLLM launches it, and this decision "
                 f"did not; re-run `mla-tune` to tune again)")
     if ours is None:
-        return (f" ({winner} was not timed as vLLM launches it at every shape; its measurements' engine_reason "
-                f"says why)")
+        return (f" ({winner} was not timed as vLLM launches it at every shape: its measurements' engine_reason "
+                f"says why; where they have none, re-run `mla-tune tune --force`)")
     return (f" ({winner} as vLLM launches it takes {ours:.2f}x the time of the fastest kernel; "
             f"{own} {own_score:.2f}x)")
 

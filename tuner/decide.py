@@ -133,8 +133,8 @@ def _scores(ev: _Evidence, backends: list[str], covered: list, weights) -> tuple
     return scores, noise_of, best
 
 
-def plugin_scores(ev: _Evidence, backends: list[str], covered: list, weights,
-                  best: Mapping[tuple[int, int], float]) -> dict[str, float]:
+def _plugin_scores(ev: _Evidence, backends: list[str], *, covered: list, weights,
+                   best: Mapping[tuple[int, int], float]) -> dict[str, float]:
     """{backend: score of its launch as our vLLM backend makes it} for each backend with that launch timed at every
     covered shape: the weighted geometric mean of its time over the same per-shape best the scores use."""
     total_w = sum(weights[s] for s in covered)
@@ -202,7 +202,8 @@ def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
                     noise_margin=noise_margin, kept_static=kept_static, per_shape=per_shape,
                     failures=ev.failures, fingerprint=fingerprint, gpu_uuids=tuple(sorted(ev.gpus)),
                     decided_at=decided_at, engine_best=engine_best(scores),
-                    plugin_scores=plugin_scores(ev, backends, covered, weights, best))
+                    plugin_scores=_plugin_scores(ev, backends, covered=covered, weights=weights,
+                                                  best=best))
 
 
 def family(key: DecisionKey) -> tuple:
