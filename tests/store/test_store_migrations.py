@@ -194,7 +194,7 @@ def test_0005_leaves_a_stored_decision_without_plugin_scores_which_keeps_our_ker
     handed = decision_for_engine(d, "vllm", plugin_missing=None)
     assert (handed.engine_backend, handed.basis) == ("FLASHMLA", "engine_best")
     assert "re-run `mla-tune`" in handed.reason
-    with Store.open(store_url) as store:   # a decision stored now keeps its plugin scores
+    with Store.open(store_url) as store:   # a decision saved after the upgrade keeps its plugin scores
         store.save_decision(replace(d, plugin_scores={"MLA_TUNE_TRITON": 1.04}))
         assert store.decision(d.key, fingerprint=d.fingerprint).plugin_scores == {"MLA_TUNE_TRITON": 1.04}
 
