@@ -85,6 +85,9 @@ class VllmGap:
         best_over_fastest: its score over the fastest's (1.0 when it is the fastest).
         static: vLLM's static choice for the key.
         static_over_best: the static choice's score over vLLM's best (None when either was not timed).
+        plugin: the fastest backend when vLLM runs it only through mla-tune's plugin (our kernel), else None.
+        plugin_over_fastest: the score of the launch the plugin makes of it over the fastest's score (None when
+            that launch was not timed at every shape).
     """
 
     fastest: str
@@ -92,6 +95,8 @@ class VllmGap:
     best_over_fastest: float | None
     static: str | None
     static_over_best: float | None
+    plugin: str | None = None
+    plugin_over_fastest: float | None = None
 
 
 def vllm_gap(decision) -> VllmGap | None:
@@ -103,13 +108,17 @@ def vllm_gap(decision) -> VllmGap | None:
     best = (decision.engine_best or {}).get("vllm")
     best = best if best in scores else None
     static = decision.static_choice
+    plugin = fastest if fastest in BACKENDS and engine_name(fastest, "vllm", with_plugin=True) \
+        and not BACKENDS[fastest].vllm_name else None
+    plugin_score = (getattr(decision, "plugin_scores", None) or {}).get(plugin) if plugin else None
     return VllmGap(fastest, best, scores[best] / scores[fastest] if best else None, static,
-                   scores[static] / scores[best] if best and static in scores else None)
+                   scores[static] / scores[best] if best and static in scores else None, plugin,
+                   plugin_score / scores[fastest] if plugin_score is not None else None)
 
 
 def vllm_regret(decision) -> str:
-    """`vllm_gap` in words for one decision: e.g. "FLASHMLA, 1.30x MLA_TUNE_TRITON; static FLASH_ATTN_MLA 1.05x";
-    "not timed" when the decision never timed vLLM's kernels."""
+    """`vllm_gap` in words for one decision: e.g. "FLASHMLA, 1.30x MLA_TUNE_TRITON; static FLASH_ATTN_MLA 1.05x;
+    MLA_TUNE_TRITON as vLLM launches it 1.12x"; "not timed" when the decision never timed vLLM's kernels."""
     gap = vllm_gap(decision)
     if gap is None or gap.best is None:
         return "not timed" if decision.engine_best is None else "-"
@@ -117,4 +126,7 @@ def vllm_regret(decision) -> str:
     if gap.static and gap.static != gap.best:
         text += (f"; static {gap.static} {gap.static_over_best:.2f}x" if gap.static_over_best is not None
                  else f"; static {gap.static} not timed")
+    if gap.plugin:
+        text += (f"; {gap.plugin} as vLLM launches it {gap.plugin_over_fastest:.2f}x"
+                 if gap.plugin_over_fastest is not None else f"; {gap.plugin} as vLLM launches it not timed")
     return text

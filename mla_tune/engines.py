@@ -3,7 +3,8 @@
 A decision keeps the fastest kernel overall (`winner`) and, per engine, the fastest backend whose timed
 kernel is the one the engine runs under that name (`Decision.engine_best`, from the registry's
 `vllm_name` / `sglang_name`). Our own kernels reach vLLM only through our plugin, so they are handed to
-vLLM only where the plugin is installed. The name mapping is data in the registry; docs/fleet.md shows it
+vLLM only where the plugin is installed, and only when the launch the plugin makes (timed by the tuner,
+`Decision.plugin_scores`) beats vLLM's fastest own backend. The name mapping is data in the registry; docs/fleet.md shows it
 (a test keeps it equal to `engine_table_markdown()`).
 
 Importing this module loads no torch, triton or flashinfer.
@@ -117,7 +118,8 @@ def _versus_static(title: str, backend: str, score: float, static_choice: str | 
 
 def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                       engine_best: Mapping[str, str] | None, static_choice: str | None = None,
-                      plugin_missing: str | None = "not checked", key: Mapping | None = None) -> EngineChoice:
+                      plugin_missing: str | None = "not checked", key: Mapping | None = None,
+                      plugin_scores: Mapping[str, float] | None = None) -> EngineChoice:
     """Pick the backend to hand `engine` from one tuned decision.
 
     Args:
@@ -131,6 +133,9 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
             when it can (see `vllm_plugin_missing`).
         key: the decision key (`DecisionKey.to_dict()` form): our kernel goes to vLLM only where our vLLM
             backend can run that key as it was timed (`plugin_refusals`).
+        plugin_scores: the decision's {backend: score of the launch our vLLM backend makes of it}; our kernel
+            goes to vLLM only when that score is lower than vLLM's fastest own backend's. None for a decision
+            that never timed that launch, which then never hands our kernel to vLLM.
     """
     engine = check_engine(engine)
     title = _TITLES[engine]
@@ -139,40 +144,68 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                             f"the tuned decision was made before mla-tune timed {title}'s own kernels (its "
                             f"{winner} may not be the kernel {title} runs under that name); re-run `mla-tune` "
                             f"to tune again; {title} makes its own choice")
-    fastest = scores.get(winner)
     plugin_name = engine_name(winner, engine, with_plugin=True)
-    ours_through_plugin = engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name
-    if ours_through_plugin and plugin_missing is None:
+    if not (engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name):
+        return _engine_own(engine, winner=winner, scores=scores, engine_best=engine_best,
+                           static_choice=static_choice, why_not_ours="")
+    if plugin_missing is None:
         plugin_missing = "; ".join(plugin_refusals(winner, key)) or None
-    if ours_through_plugin and plugin_missing is None:
-        return EngineChoice(engine, winner, plugin_name, fastest, "winner",
-                            f"the fastest kernel {winner} runs in vLLM through mla-tune's plugin as {plugin_name}"
-                            + _versus_static(title, winner, fastest or 1.0, static_choice, scores))
+    if plugin_missing is not None:
+        return _engine_own(engine, winner=winner, scores=scores, engine_best=engine_best, static_choice=static_choice,
+                           why_not_ours=f" ({winner} cannot go to vLLM here: {plugin_missing})")
+    own = engine_best.get(engine)
+    ours, own_score = (plugin_scores or {}).get(winner), scores.get(own) if own else None
+    if ours is not None and (own_score is None or ours < own_score):
+        versus = f"; vLLM's fastest own backend {own} {own_score:.2f}x" if own_score is not None else ""
+        return EngineChoice(engine, winner, plugin_name, ours, "winner",
+                            f"the fastest kernel {winner} runs in vLLM through mla-tune's plugin as {plugin_name}, "
+                            f"and as vLLM launches it takes {ours:.2f}x the time of the fastest kernel{versus}"
+                            + _versus_static(title, winner, ours, static_choice, scores))
+    return _engine_own(engine, winner=winner, scores=scores, engine_best=engine_best, static_choice=static_choice,
+                       why_not_ours=_why_not_ours(winner, plugin_scores=plugin_scores, ours=ours, own=own,
+                                                  own_score=own_score))
+
+
+def _why_not_ours(winner: str, *, plugin_scores: Mapping[str, float] | None, ours: float | None, own: str | None,
+                  own_score: float | None) -> str:
+    """Why our kernel, the fastest as the tuner launches it, does not go to vLLM through the plugin."""
+    if plugin_scores is None:
+        return (f" ({winner} goes to vLLM only where the tune timed it as vLLM launches it, and this decision "
+                f"did not; re-run `mla-tune` to tune again)")
+    if ours is None:
+        return (f" ({winner} was not timed as vLLM launches it at every shape: its measurements' engine_reason "
+                f"says why; where they have none, re-run `mla-tune tune --force`)")
+    return (f" ({winner} as vLLM launches it takes {ours:.2f}x the time of the fastest kernel; "
+            f"{own} {own_score:.2f}x)")
+
+
+def _engine_own(engine: str, *, winner: str, scores: Mapping[str, float], engine_best: Mapping[str, str],
+                static_choice: str | None, why_not_ours: str) -> EngineChoice:
+    """The fastest backend `engine` runs under its own name (`engine_best`), with `why_not_ours` in the reason."""
+    title = _TITLES[engine]
     best = engine_best.get(engine)
     if best is None or best not in BACKENDS or engine_name(best, engine) is None:
         return EngineChoice(engine, None, None, None, "none",
-                            f"{title} runs none of the timed backends under its own name; {title} makes its "
-                            f"own choice")
-    score = scores.get(best)
+                            f"{title} runs none of the timed backends under its own name{why_not_ours}; {title} "
+                            f"makes its own choice")
+    score, fastest = scores.get(best), scores.get(winner)
     mapped = engine_name(best, engine)
     if best == winner:
         return EngineChoice(engine, best, mapped, score, "winner",
                             f"{title} runs the fastest kernel {best} as {mapped}"
                             + _versus_static(title, best, score or 1.0, static_choice, scores))
     ratio = f"{score / fastest:.2f}x" if score and fastest else "an unknown multiple of"
-    plugin = ""
-    if ours_through_plugin:
-        plugin = f" ({winner} cannot go to vLLM here: {plugin_missing})"
     return EngineChoice(engine, best, mapped, score, "engine_best",
                         f"{title}'s fastest own backend is {best}, {ratio} the time of the fastest kernel "
-                        f"{winner}{plugin}" + _versus_static(title, best, score or 1.0, static_choice, scores))
+                        f"{winner}{why_not_ours}" + _versus_static(title, best, score or 1.0, static_choice, scores))
 
 
 def decision_for_engine(decision, engine: str, *, plugin_missing: str | None = "not checked") -> EngineChoice:
     """`choose_for_engine` applied to a stored `Decision`."""
     return choose_for_engine(winner=decision.winner, scores=decision.scores, engine=engine,
                              engine_best=decision.engine_best, static_choice=decision.static_choice,
-                             plugin_missing=plugin_missing, key=decision.key.to_dict())
+                             plugin_missing=plugin_missing, key=decision.key.to_dict(),
+                             plugin_scores=decision.plugin_scores)
 
 
 def choice_for_engine(choice, engine: str, *, plugin_missing: str | None = "not checked") -> EngineChoice:
@@ -185,6 +218,7 @@ def choice_for_engine(choice, engine: str, *, plugin_missing: str | None = "not 
                             f"nothing tuned ({choice.why}); {_TITLES[engine]} makes its own choice "
                             f"(vLLM's static priority gives {choice.backend})")
     engine_best = None if choice.engine_best is None else dict(choice.engine_best)
+    plugin_scores = None if choice.plugin_scores is None else dict(choice.plugin_scores)
     return choose_for_engine(winner=choice.backend, scores=dict(choice.scores), engine=engine,
                              engine_best=engine_best, static_choice=choice.static_choice,
-                             plugin_missing=plugin_missing, key=dict(choice.key))
+                             plugin_missing=plugin_missing, key=dict(choice.key), plugin_scores=plugin_scores)

@@ -59,6 +59,8 @@ class Choice:
         warnings: store problems met on the way (already logged once).
         engine_best: {engine: the fastest backend that engine runs under its own name} of a tuned
             decision; None for a fallback, or for a decision that never timed the engines' own kernels.
+        plugin_scores: {backend: score of the launch our vLLM backend makes of it} of a tuned decision; None
+            for a fallback, or for a decision that never timed that launch.
     """
 
     backend: str
@@ -73,6 +75,7 @@ class Choice:
     scores: types.MappingProxyType = field(default_factory=lambda: types.MappingProxyType({}))
     warnings: tuple[str, ...] = ()
     engine_best: types.MappingProxyType | None = None
+    plugin_scores: types.MappingProxyType | None = None
 
     def to_dict(self) -> dict:
         """Plain JSON-ready values (reasons as lists)."""
@@ -81,7 +84,8 @@ class Choice:
                 "why": self.why, "key": dict(self.key), "static_choice": self.static_choice,
                 "runner_up": self.runner_up, "margin": self.margin, "decided_at": self.decided_at,
                 "scores": dict(self.scores), "warnings": list(self.warnings),
-                "engine_best": None if self.engine_best is None else dict(self.engine_best)}
+                "engine_best": None if self.engine_best is None else dict(self.engine_best),
+                "plugin_scores": None if self.plugin_scores is None else dict(self.plugin_scores)}
 
 
 _MEMO: dict = {}
@@ -384,4 +388,6 @@ def _tuned_choice(decision, key, problem, spec, vllm_choice) -> Choice:
                   margin=decision.margin, decided_at=decision.decided_at,
                   scores=types.MappingProxyType(dict(decision.scores)),
                   engine_best=None if decision.engine_best is None
-                  else types.MappingProxyType(dict(decision.engine_best)))
+                  else types.MappingProxyType(dict(decision.engine_best)),
+                  plugin_scores=None if decision.plugin_scores is None
+                  else types.MappingProxyType(dict(decision.plugin_scores)))

@@ -188,6 +188,8 @@ def decision_values(d: Decision) -> dict[str, Any]:
             "anomalies": list(d.anomalies),
             "failures": dict(d.failures), "gpu_uuids": list(d.gpu_uuids),
             "engine_best": None if d.engine_best is None else dict(d.engine_best),
+            "plugin_scores": None if d.plugin_scores is None
+            else {k: float(v) for k, v in d.plugin_scores.items()},
             "decided_at": d.decided_at})
 
 
@@ -219,7 +221,8 @@ def decision_from(row: Mapping[str, Any], fingerprint: SoftwareFingerprint) -> D
                     failures=dict(failures), fingerprint=fingerprint,
                     gpu_uuids=tuple(_list_of(_json(row["gpu_uuids"], "gpu_uuids"), "gpu_uuids", str)),
                     decided_at=_text(row, "decided_at"),
-                    engine_best=_engine_best(row["engine_best"] if "engine_best" in row.keys() else None))
+                    engine_best=_engine_best(row["engine_best"] if "engine_best" in row.keys() else None),
+                    plugin_scores=_plugin_scores(row["plugin_scores"] if "plugin_scores" in row.keys() else None))
 
 
 def _engine_best(value: Any) -> dict[str, str] | None:
@@ -231,3 +234,13 @@ def _engine_best(value: Any) -> dict[str, str] | None:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise _bad("engine_best", value, "an object of backend names")
     return dict(value)
+
+
+def _plugin_scores(value: Any) -> dict[str, float] | None:
+    """{backend: score} from the `plugin_scores` column; None for a decision that never timed the launch our
+    vLLM plugin makes (stored before the column, or upgraded)."""
+    value = _json(value, "plugin_scores")
+    if value is None:
+        return None
+    scores = _map(value, "plugin_scores")
+    return {str(k): _number(v, "plugin_scores") for k, v in scores.items()}

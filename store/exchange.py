@@ -206,6 +206,9 @@ def parse_document(data: bytes, *, source: str = "<bytes>") -> dict:
             m.setdefault("params", None)
     if version < 3:
         rename_legacy_backends(document)
+    if version < 4:  # before decisions scored the launch our vLLM plugin makes: read as never timed
+        for d in _records(document, "decisions"):
+            d.setdefault("plugin_scores", None)
     try:
         check(document, DOCUMENT, "export")
         _check_references(document["content"])
@@ -379,6 +382,7 @@ def decode(documents: list[dict]) -> Incoming:
                 per_shape=tuple(ShapeWinner(**s) for s in d["per_shape"]), anomalies=tuple(d["anomalies"]),
                 failures=dict(d["failures"]), fingerprint=incoming.fingerprints[d["fingerprint"]],
                 gpu_uuids=tuple(d["gpu_uuids"]), decided_at=d["decided_at"],
-                engine_best=None if d.get("engine_best") is None else dict(d["engine_best"]))
+                engine_best=None if d.get("engine_best") is None else dict(d["engine_best"]),
+                plugin_scores=None if d.get("plugin_scores") is None else dict(d["plugin_scores"]))
             incoming.decisions.append((decision, d["node"]))
     return incoming

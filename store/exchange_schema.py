@@ -20,8 +20,9 @@ from mla_tune.store.records import RUN_STATUSES, STATUSES
 
 FORMAT = "mla-tune-export"
 # 2: measurements carry `params` (version 1 files have none; read as null). 3: our Triton kernels are
-# MLA_TUNE_TRITON(_SPARSE) and decisions carry `engine_best` (older files are renamed on reading).
-SCHEMA_VERSION = 3
+# MLA_TUNE_TRITON(_SPARSE) and decisions carry `engine_best` (older files are renamed on reading). 4: decisions
+# carry `plugin_scores` and refined measurements' params the vLLM launch's time (older files read it as null).
+SCHEMA_VERSION = 4
 MAX_LIST = 2_000_000            # records per list; the byte limit bites first in practice
 
 
@@ -170,6 +171,9 @@ PARAMS = {
     "label": string(64, empty=False), "default_label": string(64), "default_median_ms": optional(MS),
     "candidates": integer(1, 64), "rejected": ("map", string(64, empty=False), string(4096, free_text=True)),
 }
+# The launch our vLLM backend makes of the kernel, timed beside the candidates; absent in params written without it.
+ENGINE_PARAMS = {"engine_median_ms": optional(MS), "engine_max_seq_len": optional(integer(1, 1 << 26)),
+                 "engine_reason": string(4096, free_text=True)}
 MEASUREMENT = {
     "key": KEY, "run": optional(integer(0, MAX_LIST)), "fingerprint": optional(DIGEST),
     "backend": backend_name, "batch_size": integer(1, 1 << 20), "kv_len": integer(1, 1 << 26),
@@ -178,7 +182,7 @@ MEASUREMENT = {
     "rel_error": optional(number(0.0, 1e6)), "reason": string(4096, free_text=True), "gpu_uuid": string(96),
     "sm_clock_mhz_before": optional(integer(0, 100_000)), "sm_clock_mhz_after": optional(integer(0, 100_000)),
     "temperature_c_before": optional(integer(-50, 200)), "temperature_c_after": optional(integer(-50, 200)),
-    "measured_at": timestamp(), "params": ("optional", PARAMS),
+    "measured_at": timestamp(), "params": ("optional", ("with_optional", PARAMS, ENGINE_PARAMS)),
 }
 SHAPE_WINNER = {"batch_size": integer(1, 1 << 20), "kv_len": integer(1, 1 << 26),
                 "backend": backend_name, "median_ms": MS}
@@ -191,6 +195,8 @@ DECISION = {
     "anomalies": ("list", string(4096, free_text=True)), "failures": ("map", backend_name, string(4096, free_text=True)),
     "gpu_uuids": ("list", string(96)), "decided_at": timestamp(),
     "engine_best": ("optional", ("map", string(32, empty=False, pattern=r"[a-z][a-z0-9_]*"), backend_name)),
+    # Below 0.999 is possible: the vLLM launch is scored against the per-shape best of the tuned launches.
+    "plugin_scores": ("optional", ("map", backend_name, number(0.0, 1e6, lo_open=True))),
 }
 PRODUCER = {"node": string(255), "mla_tune": string(64), "exported_at": timestamp()}
 CONTENT = {"devices": ("list", DEVICE), "fingerprints": ("list", FINGERPRINT), "runs": ("list", RUN),
@@ -213,6 +219,13 @@ def check(value, spec, path: str) -> None:
             raise SchemaError(f"{path}: missing field {missing[0]!r}")
         for name, inner in spec.items():
             check(value[name], inner, f"{path}.{name}")
+    elif isinstance(spec, tuple) and spec[0] == "with_optional":
+        required, extra = spec[1], spec[2]
+        if not isinstance(value, dict):
+            raise SchemaError(f"{path}: {_show(value)} is not an object")
+        check({k: v for k, v in value.items() if k not in extra}, required, path)
+        for name in extra.keys() & value.keys():
+            check(value[name], extra[name], f"{path}.{name}")
     elif isinstance(spec, tuple) and spec[0] == "list":
         if not isinstance(value, list):
             raise SchemaError(f"{path}: {_show(value)} is not a list")

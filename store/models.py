@@ -184,6 +184,7 @@ class DecisionRow(KeyColumns, Base):
     failures: Mapped[dict[str, Any]] = mapped_column(StoredJSON)
     gpu_uuids: Mapped[list[Any]] = mapped_column(StoredJSON)
     engine_best: Mapped[dict[str, Any] | None] = mapped_column(StoredJSON, nullable=True)
+    plugin_scores: Mapped[dict[str, Any] | None] = mapped_column(StoredJSON, nullable=True)
     decided_at: Mapped[str] = mapped_column(String(40), default="")
     node: Mapped[str] = mapped_column(String(255), default="")
     updated_at: Mapped[str] = mapped_column(String(40))

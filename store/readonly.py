@@ -24,11 +24,13 @@ from mla_tune.store.schema import KNOWN_REVISIONS, newer_schema_message
 from mla_tune.store.sqlite_file import CorruptValueError, StoreError, check_sqlite_file, connect_ro, sqlite_path
 
 TILES_REVISION = "0002"  # the first schema with measurements.params
-DECISIONS_REVISION = "0004"  # the first schema whose decisions say which backend each engine should get
+# The first schema whose decisions say which backend each engine should get, and how the launch our vLLM plugin
+# makes of our kernel scores.
+DECISIONS_REVISION = "0005"
 
 _DECISION_COLUMNS = (*codec.KEY_FIELDS, "winner", "runner_up", "margin", "static_choice",
                      "static_score", "noise_margin", "kept_static", "scores", "per_shape",
-                     "anomalies", "failures", "gpu_uuids", "engine_best", "decided_at")
+                     "anomalies", "failures", "gpu_uuids", "engine_best", "plugin_scores", "decided_at")
 _SELECT = ("SELECT " + ", ".join(f"d.{c}" for c in _DECISION_COLUMNS) + ", "
            + ", ".join(f"f.{c} AS fp_{c}" for c in codec.FINGERPRINT_FIELDS)
            + " FROM decisions d JOIN fingerprints f ON f.digest = d.fingerprint_digest")

@@ -76,7 +76,9 @@ class Measurement:
     measured_at: str = ""                # ISO 8601, UTC
     # A backend the tuner refines (our Triton kernel): the launch it was timed with, the fastest correct of its
     # candidate tiles: {"tile": Tile fields, "label", "default_label", "default_median_ms", "candidates",
-    # "rejected": {label: why}}. None for every other backend.
+    # "rejected": {label: why}}, and the launch our vLLM backend makes of it: "engine_median_ms" (None when it
+    # failed or was wrong, "engine_reason" says why) with "engine_max_seq_len" (vLLM's max_seq_len it was
+    # launched with). None for every other backend.
     params: dict | None = None
 
     def __post_init__(self):
@@ -114,6 +116,10 @@ class Decision:
     # {engine: the fastest backend that engine runs under its own name}; None when the decision did not
     # time the engines' own kernels (decided before it could), so no engine may be handed its answer.
     engine_best: dict[str, str] | None = None
+    # {backend: score of the launch our vLLM plugin makes of it}, for each refined backend whose vLLM launch was
+    # timed at every scored shape (the same weighted geometric mean against the same per-shape best); None
+    # when the decision did not time that launch, so our kernel is never handed to vLLM on its strength.
+    plugin_scores: dict[str, float] | None = None
 
 
 RUN_STATUSES = ("running", "done", "failed", "interrupted")

@@ -7,7 +7,7 @@ test checks they match the migration scripts in `store/migrations/versions/`.
 from __future__ import annotations
 
 # Oldest first. Add each new migration's revision id here.
-KNOWN_REVISIONS: tuple[str, ...] = ("0001", "0002", "0003", "0004")
+KNOWN_REVISIONS: tuple[str, ...] = ("0001", "0002", "0003", "0004", "0005")
 HEAD_REVISION = KNOWN_REVISIONS[-1]
 
 # Tables the read-only lookup reads.

@@ -13,7 +13,10 @@
    20% from the trend of its neighbouring head counts, and a vLLM static
    choice more than 10% slower than the fastest backend vLLM runs.
 5. Engines: each engine is handed the fastest backend whose timed kernel is
-   the one it runs under that name (`Decision.engine_best`).
+   the one it runs under that name (`Decision.engine_best`). Our kernel reaches
+   vLLM through our plugin, which launches it its own way (vLLM's max_seq_len,
+   no host lengths); that launch is timed at every shape too, and scored
+   against the same per-shape best (`Decision.plugin_scores`).
 
 Pure functions of records: no torch, no store, no GPU.
 """
@@ -68,6 +71,7 @@ class _Evidence:
     noise: dict[tuple[str, tuple[int, int]], float]
     failures: dict[str, str]
     gpus: set[str]
+    engine: dict[tuple[str, tuple[int, int]], float]   # a refined backend's launch as our vLLM backend makes it
 
 
 def _gather(key: DecisionKey, measurements: Iterable[Measurement], failures: dict[str, str]) -> _Evidence:
@@ -75,6 +79,7 @@ def _gather(key: DecisionKey, measurements: Iterable[Measurement], failures: dic
     disqualifying outcome of each backend goes to `failures`."""
     times: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
     noise: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
+    engine: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
     gpus: set[str] = set()
     for m in measurements:
         if m.key != key:
@@ -85,11 +90,15 @@ def _gather(key: DecisionKey, measurements: Iterable[Measurement], failures: dic
         if m.status == "ok" and m.median_ms is not None and m.median_ms > 0:
             times[(m.backend, shape)].append(m.median_ms)
             noise[(m.backend, shape)].append(_rel_halfwidth(m))
+            engine_ms = (m.params or {}).get("engine_median_ms")
+            if isinstance(engine_ms, (int, float)) and engine_ms > 0:
+                engine[(m.backend, shape)].append(float(engine_ms))
         elif m.status in _DISQUALIFYING and m.backend not in failures:
             failures[m.backend] = (f"{m.status} at batch {m.batch_size} x kv_len {m.kv_len}: "
                                    f"{m.reason or 'no reason recorded'}")
     return _Evidence({k: statistics.median(v) for k, v in times.items()},
-                     {k: statistics.mean(v) for k, v in noise.items()}, failures, gpus)
+                     {k: statistics.mean(v) for k, v in noise.items()}, failures, gpus,
+                     {k: statistics.median(v) for k, v in engine.items()})
 
 
 def _qualified(key: DecisionKey, ev: _Evidence, weights: Mapping[tuple[int, int], float]) -> tuple[list[str], list]:
@@ -122,6 +131,15 @@ def _scores(ev: _Evidence, backends: list[str], covered: list, weights) -> tuple
         scores[b] = math.exp(sum(weights[s] * math.log(ev.median[(b, s)] / best[s]) for s in covered) / total_w)
         noise_of[b] = sum(weights[s] * ev.noise[(b, s)] for s in covered) / total_w
     return scores, noise_of, best
+
+
+def _plugin_scores(ev: _Evidence, backends: list[str], *, covered: list, weights,
+                   best: Mapping[tuple[int, int], float]) -> dict[str, float]:
+    """{backend: score of its launch as our vLLM backend makes it} for each backend with that launch timed at every
+    covered shape: the weighted geometric mean of its time over the same per-shape best the scores use."""
+    total_w = sum(weights[s] for s in covered)
+    return {b: math.exp(sum(weights[s] * math.log(ev.engine[(b, s)] / best[s]) for s in covered) / total_w)
+            for b in backends if all((b, s) in ev.engine for s in covered)}
 
 
 def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
@@ -183,7 +201,9 @@ def decide(key: DecisionKey, measurements: Iterable[Measurement], *,
                     runner_up=runner_up, margin=margin, static_score=static_score,
                     noise_margin=noise_margin, kept_static=kept_static, per_shape=per_shape,
                     failures=ev.failures, fingerprint=fingerprint, gpu_uuids=tuple(sorted(ev.gpus)),
-                    decided_at=decided_at, engine_best=engine_best(scores))
+                    decided_at=decided_at, engine_best=engine_best(scores),
+                    plugin_scores=_plugin_scores(ev, backends, covered=covered, weights=weights,
+                                                  best=best))
 
 
 def family(key: DecisionKey) -> tuple:

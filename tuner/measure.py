@@ -45,6 +45,9 @@ class ShapeTask:
     max_seconds: float = 1.0
     adapters: tuple[tuple[str, str], ...] = ()   # name -> "module:Class" overrides (tests)
     refine_tiles: bool = True                    # time every candidate tile of a backend that has them
+    # vLLM's max_seq_len for the step that times a refined backend as our vLLM backend launches it (dense; at
+    # least this shape's kv_len, which None means): vLLM's full CUDA graphs are captured with the longest length.
+    engine_max_seq_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -322,7 +325,7 @@ def _report_results(steps: list[_Step], prepared: dict, timings: dict, clocks: d
     """One `result` per backend that reached the timing: its fastest candidate's time (a refined backend's
     measurement also records which tile won and why others were left out)."""
     for backend in dict.fromkeys(step.backend for step in steps):
-        mine = [step for step in steps if step.backend == backend and step.name in prepared]
+        mine = [step for step in steps if step.backend == backend and step.name in prepared and _is_candidate(step)]
         if not mine:
             continue  # reported by failed.report()
         done = [(step, timings[step.name]) for step in mine if timings.get(step.name) is not None]
@@ -349,11 +352,21 @@ class _Step:
     adapter: object
     tile: object | None = None     # a candidate's tile: a dataclass or a NamedTuple
     label: str = ""                # its launch parameters, `LaunchParams.label()`
+    engine: bool = False           # the launch our vLLM backend makes (`vllm_launch`), timed beside the candidates
+    max_seq_len: int | None = None  # the vLLM max_seq_len that launch was given (dense)
+
+
+ENGINE_STEP = "@vllm"   # suffix of the engine step's name
+
+
+def _is_candidate(step: _Step) -> bool:
+    return not step.engine
 
 
 def _steps(task: ShapeTask, problem, inputs, overrides: dict, emit) -> list[_Step]:
     """The steps of `task`: one per backend, or one per candidate tile where the adapter has `tile_candidates`
-    (our Triton kernel; the first candidate is its default) and `task.refine_tiles` is set."""
+    (our Triton kernel; the first candidate is its default) and `task.refine_tiles` is set, then, where the
+    adapter has `vllm_launch`, one more: the launch our vLLM backend makes of it."""
     steps = []
     for name in task.backends:
         adapter = resolve_adapter(name, overrides)()
@@ -369,7 +382,21 @@ def _steps(task: ShapeTask, problem, inputs, overrides: dict, emit) -> list[_Ste
             continue
         steps += [_Step(f"{name}#{i}", name, type(adapter)(params=params), tile, params.label())
                   for i, (tile, params) in enumerate(candidates)]
+        engine = _engine_step(task, name, adapter, emit)
+        if engine is not None:
+            steps.append(engine)
     return steps
+
+
+def _engine_step(task: ShapeTask, name: str, adapter, emit) -> _Step | None:
+    """The launch our vLLM backend makes of a refined backend (vLLM's max_seq_len: at least the shape's kv_len),
+    or None where the adapter has none."""
+    make = getattr(adapter, "vllm_launch", None)
+    if make is None:
+        return None
+    max_seq_len = None if task.problem.sparse else max(task.engine_max_seq_len or 0, task.shape.kv_len)
+    return _Step(f"{name}{ENGINE_STEP}", name, make(max_seq_len=max_seq_len), label="vLLM launch", engine=True,
+                 max_seq_len=max_seq_len)
 
 
 class _Failures(dict):
@@ -383,7 +410,7 @@ class _Failures(dict):
 
     def report(self) -> None:
         for backend in dict.fromkeys(step.backend for step in self.steps):
-            mine = [step for step in self.steps if step.backend == backend]
+            mine = [step for step in self.steps if step.backend == backend and _is_candidate(step)]
             if backend not in self.reported and all(step.name in self for step in mine):
                 self.emit(("result", backend, self[mine[0].name]))
                 self.reported.add(backend)
@@ -392,11 +419,29 @@ class _Failures(dict):
 def _refined_params(steps: list[_Step], best: _Step, timings: dict, failed: dict) -> dict:
     """What a refined backend's measurement records: the winning tile (`Tile` fields), its label, the default
     tile's time (the first candidate) and why any candidate was left out."""
-    mine = [step for step in steps if step.backend == best.backend]
+    mine = [step for step in steps if step.backend == best.backend and _is_candidate(step)]
     default = timings.get(mine[0].name)
-    return {"tile": asdict(best.tile) if is_dataclass(best.tile) else best.tile._asdict(), "label": best.label,
-            "default_label": mine[0].label,
-            "default_median_ms": None if default is None else float(default.median_ms),
-            "candidates": len(mine),
-            "rejected": {step.label: failed[step.name].reason or failed[step.name].status
-                         for step in mine if step.name in failed}}
+    params = {"tile": asdict(best.tile) if is_dataclass(best.tile) else best.tile._asdict(), "label": best.label,
+              "default_label": mine[0].label,
+              "default_median_ms": None if default is None else float(default.median_ms),
+              "candidates": len(mine),
+              "rejected": {step.label: failed[step.name].reason or failed[step.name].status
+                           for step in mine if step.name in failed}}
+    engine = next((step for step in steps if step.backend == best.backend and step.engine), None)
+    if engine is not None:
+        params.update(_engine_params(engine, timings, failed))
+    return params
+
+
+def _engine_params(step: _Step, timings: dict, failed: dict) -> dict:
+    """What a refined backend's measurement records of the launch our vLLM backend makes: its time, or None and
+    why (it failed, was wrong, or got no time)."""
+    timing = timings.get(step.name)
+    if step.name in failed:
+        reason = failed[step.name].reason or failed[step.name].status
+    elif timing is None:
+        reason = "the timing harness returned no time for it"
+    else:
+        reason = ""
+    return {"engine_median_ms": None if reason else float(timing.median_ms), "engine_max_seq_len": step.max_seq_len,
+            "engine_reason": reason}

@@ -190,6 +190,12 @@ def _decision_lines(d: Decision) -> list[str]:
              + f"; noise margin {d.noise_margin * 100:.1f}%."]
     lines.append(f"- vLLM gets: {vllm_regret(d)} (its fastest own backend; times relative to the fastest "
                  f"kernel and to vLLM's best).")
+    gap = vllm_gap(d)
+    if gap is not None and gap.plugin and d.engine_best is not None:
+        from mla_tune.engines import decision_for_engine
+
+        picked = decision_for_engine(d, "vllm", plugin_missing=None)
+        lines.append(f"- With mla-tune's vLLM plugin, vLLM gets `{picked.engine_backend or '-'}`: {picked.reason}.")
     if d.scores:
         ranked = sorted(d.scores.items(), key=lambda kv: (kv[1], kv[0]))
         lines.append("- Scores: " + ", ".join(f"`{b}` {s:.3f}" for b, s in ranked) + ".")
@@ -204,10 +210,12 @@ def _decision_lines(d: Decision) -> list[str]:
 
 def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> list[str]:
     """Per SKU, KV dtype and sparsity, one row per head count: the fastest kernel, vLLM's fastest own
-    backend and its time relative to the fastest, and vLLM's static choice relative to vLLM's best."""
+    backend and its time relative to the fastest, vLLM's static choice relative to vLLM's best, and our kernel
+    as vLLM launches it through mla-tune's plugin (where it is the fastest) relative to the fastest."""
     lines = ["## What vLLM gets, by heads per rank", "",
-             "| GPU SKU | KV | heads | fastest | vLLM's best (x fastest) | vLLM static (x vLLM's best) |",
-             "|---|---|---|---|---|---|"]
+             "| GPU SKU | KV | heads | fastest | vLLM's best (x fastest) | vLLM static (x vLLM's best) "
+             "| ours as vLLM launches it (x fastest) |",
+             "|---|---|---|---|---|---|---|"]
     for (sku, kv, topk), group in sorted(groups.items()):
         sku_cell = sku.replace("|", "\\|")  # a SKU names its fields with `|`, which would split the cell
         for d in sorted(group, key=lambda d: d.key.num_heads):
@@ -218,8 +226,11 @@ def engine_table_lines(groups: dict[tuple[str, str, int], list[Decision]]) -> li
                 "not timed" if d.engine_best is None else "-")
             static_text = (f"`{gap.static}` {gap.static_over_best:.2f}x" if gap.static_over_best is not None
                            else f"`{gap.static}` not timed" if gap.static else "-")
+            plugin_text = "-" if not gap.plugin else (
+                f"`{gap.plugin}` {gap.plugin_over_fastest:.2f}x" if gap.plugin_over_fastest is not None
+                else f"`{gap.plugin}` not timed")
             lines.append(f"| {sku_cell} | {kv}{f' top-k {topk}' if topk else ''} | {d.key.num_heads} | "
-                         f"`{gap.fastest}` | {best_text} | {static_text} |")
+                         f"`{gap.fastest}` | {best_text} | {static_text} | {plugin_text} |")
     return lines + [""] if len(lines) > 4 else []
 
 

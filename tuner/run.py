@@ -59,6 +59,9 @@ class TuneOptions:
         node: host name stored with runs and decisions.
         prewarm: build what the units would build (JIT libraries of backends whose names start with
             `jit_prefixes`, our and vLLM's Triton kernels) in parallel workers before timing (`prewarm.py`).
+        engine_max_seq_len: vLLM's max_seq_len for timing our kernel as our vLLM backend launches it (dense;
+            vLLM captures its full CUDA graphs with the longest length it serves); None = the longest kv_len
+            the tune times for the key.
     """
 
     budget_s: float | None = None
@@ -77,6 +80,7 @@ class TuneOptions:
     node: str = field(default_factory=socket.gethostname)
     prewarm: bool = True
     jit_prefixes: tuple[str, ...] = JIT_PREFIXES
+    engine_max_seq_len: int | None = None
 
 
 @dataclass

@@ -149,9 +149,11 @@ class SkuTune:
     def _measure(self, worker: Worker, device: DeviceInfo, unit: Unit) -> None:
         """Measure one unit, store its rows, account its seconds, and decide its key when it was the last shape."""
         plan = self.plans[unit.key_index]
+        longest = max(shape.kv_len for shape in plan.work.shapes)
         task = ShapeTask(plan.work.problem, unit.shape, plan.backends, seed=self.options.seed,
                          rel_ci_target=self.options.rel_ci_target, max_seconds=self.max_seconds,
-                         adapters=tuple((self.options.adapters or {}).items()))
+                         adapters=tuple((self.options.adapters or {}).items()),
+                         engine_max_seq_len=self.options.engine_max_seq_len or longest)
         started = time.monotonic()
         self.progress.unit_started(plan.key, unit.shape, device)
         result = worker.run_shape(task, on_event=lambda ev: self.progress.event(device, ev))

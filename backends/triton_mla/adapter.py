@@ -123,6 +123,13 @@ class TritonMLA:
         return candidate_launches(problem, lengths=self._lengths(problem, inputs), num_sms=sm_count(device),
                                   cc_major=cc_major(device))
 
+    def vllm_launch(self, *, max_seq_len: int | None):
+        """The launch our vLLM backend makes of this kernel (`mla_tune.vllm_backends.tuned_launch`), an adapter the
+        tuner times beside the candidate tiles; `max_seq_len` is vLLM's (dense)."""
+        from mla_tune.vllm_backends.tuned_launch import VllmLaunch
+
+        return VllmLaunch(sparse=self.sparse, max_seq_len=max_seq_len)
+
     def prepare(self, problem: Problem, inputs: DecodeInputs) -> PreparedTritonMLA:
         check_inputs(problem, inputs)
         if problem.sparse != self.sparse:

@@ -56,9 +56,41 @@ def test_vllm_gets_its_fastest_own_kernel_with_how_far_it_is_from_the_fastest():
 
 def test_our_kernel_goes_to_vllm_only_where_the_plugin_is_installed():
     got = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm",
-                            engine_best={"vllm": "FLASHMLA"}, static_choice="FLASH_ATTN_MLA", plugin_missing=None)
-    assert (got.engine_backend, got.basis) == ("MLA_TUNE_TRITON", "winner")
+                            engine_best={"vllm": "FLASHMLA"}, static_choice="FLASH_ATTN_MLA", plugin_missing=None,
+                            plugin_scores={"MLA_TUNE_TRITON": 1.04})
+    assert (got.engine_backend, got.basis, got.score) == ("MLA_TUNE_TRITON", "winner", 1.04)
     assert "through mla-tune's plugin" in got.reason
+    assert "as vLLM launches it takes 1.04x the time of the fastest kernel" in got.reason
+    assert "vLLM's fastest own backend FLASHMLA 1.30x" in got.reason
+
+
+def test_our_kernel_whose_vllm_launch_is_slower_than_vllms_best_is_not_handed_to_vllm():
+    got = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm",
+                            engine_best={"vllm": "FLASHMLA"}, static_choice="FLASH_ATTN_MLA", plugin_missing=None,
+                            plugin_scores={"MLA_TUNE_TRITON": 1.35})
+    assert (got.engine_backend, got.basis, got.score) == ("FLASHMLA", "engine_best", 1.3)
+    assert "MLA_TUNE_TRITON as vLLM launches it takes 1.35x the time of the fastest kernel; FLASHMLA 1.30x" \
+        in got.reason
+    tie = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm", engine_best={"vllm": "FLASHMLA"},
+                            plugin_missing=None, plugin_scores={"MLA_TUNE_TRITON": 1.3})
+    assert tie.engine_backend == "FLASHMLA"      # ours must beat vLLM's own best, not match it
+
+
+def test_a_decision_that_never_timed_the_vllm_launch_does_not_hand_our_kernel_to_vllm():
+    got = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm",
+                            engine_best={"vllm": "FLASHMLA"}, plugin_missing=None, plugin_scores=None)
+    assert (got.engine_backend, got.basis) == ("FLASHMLA", "engine_best")
+    assert "did not; re-run `mla-tune` to tune again" in got.reason
+    missing = choose_for_engine(winner="MLA_TUNE_TRITON", scores=SCORES, engine="vllm",
+                                engine_best={"vllm": "FLASHMLA"}, plugin_missing=None, plugin_scores={})
+    assert missing.engine_backend == "FLASHMLA"
+    assert "was not timed as vLLM launches it at every shape" in missing.reason
+
+
+def test_with_no_vllm_backend_timed_our_vllm_launch_is_handed_on_its_own_score():
+    got = choose_for_engine(winner="MLA_TUNE_TRITON", scores={"MLA_TUNE_TRITON": 1.0, "FLASHINFER_FA2_MLA": 1.2},
+                            engine="vllm", engine_best={}, plugin_missing=None, plugin_scores={"MLA_TUNE_TRITON": 1.1})
+    assert (got.engine_backend, got.score) == ("MLA_TUNE_TRITON", 1.1)
 
 
 def test_our_kernel_is_not_handed_to_vllm_for_a_key_our_vllm_backend_refuses():
@@ -68,12 +100,14 @@ def test_our_kernel_is_not_handed_to_vllm_for_a_key_our_vllm_backend_refuses():
            "num_heads": 16, "geometry": "512/64/128/128", "page_size": 16, "topk": 2048, "q_len": 1}
     got = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
                             "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
-                            static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key)
+                            static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key,
+                            plugin_scores={"MLA_TUNE_TRITON_SPARSE": 1.0})
     assert (got.engine_backend, got.basis) == ("FLASHMLA_SPARSE", "engine_best")
     assert "needs a block size that is a multiple of 64; got 16" in got.reason
     fits = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
                              "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
-                             plugin_missing=None, key=dict(key, page_size=64))
+                             plugin_missing=None, key=dict(key, page_size=64),
+                             plugin_scores={"MLA_TUNE_TRITON_SPARSE": 1.0})
     assert fits.engine_backend == "MLA_TUNE_TRITON_SPARSE"
 
 
@@ -85,7 +119,8 @@ def test_sparse_fp8_keys_go_to_our_vllm_backend_which_reads_that_cache_as_timed(
            "num_heads": 16, "geometry": "512/64/128/128", "page_size": 64, "topk": 2048, "q_len": 1}
     got = choose_for_engine(winner="MLA_TUNE_TRITON_SPARSE", scores={"MLA_TUNE_TRITON_SPARSE": 1.0,
                             "FLASHMLA_SPARSE": 1.87}, engine="vllm", engine_best={"vllm": "FLASHMLA_SPARSE"},
-                            static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key)
+                            static_choice="FLASHMLA_SPARSE", plugin_missing=None, key=key,
+                            plugin_scores={"MLA_TUNE_TRITON_SPARSE": 1.02})
     assert (got.engine_backend, got.basis) == ("MLA_TUNE_TRITON_SPARSE", "winner")
 
 

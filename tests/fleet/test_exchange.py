@@ -291,3 +291,56 @@ def test_launch_params_survive_export_and_import(tmp_path, source, store_url):
         import_files(store, [source], decide=decide)
         triton = [m for m in store.measurements() if m.backend == "MLA_TUNE_TRITON"]
     assert triton and all(m.params == fleet_data.TRITON_PARAMS for m in triton)
+
+
+ENGINE_PARAMS = {**fleet_data.TRITON_PARAMS, "engine_median_ms": 0.55, "engine_max_seq_len": 32768,
+                 "engine_reason": ""}
+
+
+def test_plugin_scores_and_the_vllm_launch_time_survive_export_and_import(tmp_path, store_url, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(fleet_data, "TRITON_PARAMS", ENGINE_PARAMS)
+    with Store.open(f"sqlite:///{tmp_path / 'node-a.db'}") as store:
+        (d,) = fleet_data.populate(store, node="node-a", heads=(16,))
+        store.save_decision(replace(d, plugin_scores={"MLA_TUNE_TRITON": 0.998}), node="node-a")
+        write_export(store, tmp_path / "node-a.json", node="node-a")
+    document = read_export(tmp_path / "node-a.json")
+    assert document["schema_version"] == SCHEMA_VERSION
+    assert [x["plugin_scores"] for x in document["content"]["decisions"]] == [{"MLA_TUNE_TRITON": 0.998}]
+    with Store.open(store_url) as store:
+        import_files(store, [tmp_path / "node-a.json"], decide=decide)
+        (got,) = store.decisions()
+        triton = [m for m in store.measurements() if m.backend == "MLA_TUNE_TRITON"]
+        write_export(store, tmp_path / "copy.json", node="node-a")
+    assert got.plugin_scores == {"MLA_TUNE_TRITON": 0.998}
+    assert triton and all(m.params == ENGINE_PARAMS for m in triton)
+    assert (tmp_path / "copy.json").read_bytes() == (tmp_path / "node-a.json").read_bytes()
+
+
+def test_a_version_3_file_without_plugin_scores_imports_as_never_timed(tmp_path, source, store_url):
+    old = json.loads(source.read_text())
+    old["schema_version"] = 3
+    for d in old["content"]["decisions"]:
+        del d["plugin_scores"]
+    path = tmp_path / "v3.json"
+    path.write_bytes(_resigned(old))
+    with Store.open(store_url) as store:
+        import_files(store, [path], decide=decide)
+        decisions = store.decisions()
+    assert decisions and all(d.plugin_scores is None and d.engine_best for d in decisions)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["content"]["decisions"][0].update(plugin_scores={"NOPE": 1.0}), "unknown backend 'NOPE'"),
+    (lambda d: d["content"]["decisions"][0].update(plugin_scores={"MLA_TUNE_TRITON": 0}), "is not in (0, 1e+06]"),
+    (lambda d: [m["params"].update(engine_median_ms=-1.0) for m in d["content"]["measurements"] if m["params"]],
+     "engine_median_ms: -1.0 is not in"),
+    (lambda d: [m["params"].update(engine_extra=1) for m in d["content"]["measurements"] if m["params"]],
+     "unknown field 'engine_extra'"),
+])
+def test_plugin_scores_and_vllm_launch_params_are_checked(tmp_path, source, edit, message):
+    path = tmp_path / "bad.json"
+    path.write_bytes(_edit(json.loads(source.read_text()), edit))
+    with pytest.raises(ExchangeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        read_export(path)

@@ -63,9 +63,29 @@ def test_what_vllm_gets_is_its_fastest_own_backend_against_the_fastest_and_its_s
     assert f"- vLLM gets: FLASHMLA, {ratio:.2f}x FLASHINFER_FA2_MLA" in text
     _, _, table = text.partition("## What vLLM gets, by heads per rank")
     (row,) = [line for line in table.splitlines() if line.startswith("| NVIDIA")]
-    # the SKU's own `|` are escaped, so the row has the header's six cells
+    # the SKU's own `|` are escaped, so the row has the header's seven cells
     cells = [c.strip() for c in row.replace("\\|", "/").strip("|").split("|")]
-    assert cells[1:] == ["fp8_e4m3", "64", "`FLASHINFER_FA2_MLA`", f"`FLASHMLA` {ratio:.2f}x", "`FLASHMLA` 1.00x"]
+    assert cells[1:] == ["fp8_e4m3", "64", "`FLASHINFER_FA2_MLA`", f"`FLASHMLA` {ratio:.2f}x", "`FLASHMLA` 1.00x",
+                         "-"]
+
+
+def test_where_ours_is_fastest_the_report_gives_its_vllm_launch_and_what_vllm_gets_with_the_plugin(tmp_path):
+    from dataclasses import replace
+
+    decisions, measurements = fleet_data.fleet(heads=(64,))
+    d = decisions[0]
+    scores = {**d.scores, "MLA_TUNE_TRITON": 0.9 * min(d.scores.values())}
+    fastest = scores["MLA_TUNE_TRITON"]
+    slow = replace(d, winner="MLA_TUNE_TRITON", scores=scores, plugin_scores={"MLA_TUNE_TRITON": 1.5})
+    text = write_report([slow], measurements, tmp_path).read_text()
+    assert f"MLA_TUNE_TRITON as vLLM launches it {1.5 / fastest:.2f}x" in text
+    assert "With mla-tune's vLLM plugin, vLLM gets `FLASHMLA`: " in text
+    assert "MLA_TUNE_TRITON as vLLM launches it takes 1.50x the time of the fastest kernel" in text
+    _, _, table = text.partition("## What vLLM gets, by heads per rank")
+    (row,) = [line for line in table.splitlines() if line.startswith("| NVIDIA")]
+    assert row.endswith(f"| `MLA_TUNE_TRITON` {1.5 / fastest:.2f}x |")
+    stale = write_report([replace(slow, plugin_scores=None)], measurements, tmp_path).read_text()
+    assert "MLA_TUNE_TRITON as vLLM launches it not timed" in stale and "re-run `mla-tune`" in stale
 
 
 def test_key_without_measurements_still_reported(tmp_path):

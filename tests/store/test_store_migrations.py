@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
@@ -153,6 +155,48 @@ def test_our_kernels_stored_under_vllms_triton_name_are_renamed_and_never_handed
 
     handed = decision_for_engine(d, "vllm", plugin_missing=None)
     assert (handed.engine_backend, handed.basis) == (None, "stale")
+
+
+def test_0005_leaves_a_stored_decision_without_plugin_scores_which_keeps_our_kernel_from_vllm(store_url):
+    """A decision stored at 0004 never timed the launch our vLLM plugin makes: after upgrading, its plugin_scores is
+    None, and vLLM gets its own fastest backend with a reason to tune again."""
+    import json
+
+    with Store.open(store_url) as store:
+        store.downgrade("0004")
+    engine = create_engine(resolve_url(store_url), poolclass=NullPool)
+    keys = "sku, compute_capability, query_dtype, kv_cache_dtype, num_heads, geometry, page_size, topk, q_len"
+    values = "'NVIDIA H100 80GB HBM3 | 9.0 | 80GiB | 0x2330', '9.0', 'bf16', 'bf16', 16, '512/64/128/128', 64, 0, 1"
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO fingerprints (digest, torch, triton, flashinfer, cuda_runtime, driver, "
+                                "mla_tune, kernel_hash) VALUES ('d1', '', '', '', '', '', '', '')"))
+        connection.execute(text(
+            f"INSERT INTO decisions ({keys}, fingerprint_digest, winner, runner_up, margin, static_choice, "
+            f"static_score, noise_margin, kept_static, scores, per_shape, anomalies, failures, gpu_uuids, "
+            f"engine_best, decided_at, node, updated_at) VALUES ({values}, 'd1', 'MLA_TUNE_TRITON', 'FLASHMLA', 0.1, "
+            f"'FLASHMLA', 1.1, 0.02, :f, :scores, '[]', '[]', '{{}}', '[]', :best, '2026-11-27T00:00:00Z', '', "
+            f"'2026-11-27T00:00:00Z')"),
+            {"f": False, "scores": json.dumps({"MLA_TUNE_TRITON": 1.0, "FLASHMLA": 1.1}),
+             "best": json.dumps({"vllm": "FLASHMLA", "sglang": "MLA_TUNE_TRITON"})})
+    engine.dispose()
+    with pytest.raises(StoreError, match="older than the 0005 this read needs; run `mla-tune db upgrade`"):
+        find_decisions(store_url)
+    with Store.open(store_url) as store:
+        assert store.schema_revision() == HEAD_REVISION == "0005"
+        (d,) = store.decisions()
+    assert (d.winner, d.engine_best, d.plugin_scores) == ("MLA_TUNE_TRITON", {"vllm": "FLASHMLA",
+                                                                             "sglang": "MLA_TUNE_TRITON"}, None)
+    (read,) = find_decisions(store_url)
+    assert read.plugin_scores is None
+
+    from mla_tune.engines import decision_for_engine
+
+    handed = decision_for_engine(d, "vllm", plugin_missing=None)
+    assert (handed.engine_backend, handed.basis) == ("FLASHMLA", "engine_best")
+    assert "re-run `mla-tune`" in handed.reason
+    with Store.open(store_url) as store:   # a decision saved after the upgrade keeps its plugin scores
+        store.save_decision(replace(d, plugin_scores={"MLA_TUNE_TRITON": 1.04}))
+        assert store.decision(d.key, fingerprint=d.fingerprint).plugin_scores == {"MLA_TUNE_TRITON": 1.04}
 
 
 def test_0003_merges_runs_duplicated_by_interleaved_imports_then_keeps_them_unique(store_url):

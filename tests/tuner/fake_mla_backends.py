@@ -117,16 +117,32 @@ class _FakeParams:
         return self._label
 
 
+class FakeVllmLaunch:
+    """The launch a fake vLLM backend makes of FAKE_TILED: correct unless `SCALE` says otherwise; its time comes
+    from MLA_TUNE_FAKE_MS as `FAKE_TILED@vllm`."""
+
+    SCALE = 1.0
+
+    def __init__(self, max_seq_len):
+        self.max_seq_len = max_seq_len
+
+    def prepare(self, problem, inputs):
+        return _Prepared(problem, scale=self.SCALE)
+
+
 class FakeTiled:
     """A backend with candidate tiles, as our Triton kernel has: tile 0 (its default) is correct, tile 1 lies
     (10% too large), tile 2 raises at prepare, tile 3 is correct; their times come from MLA_TUNE_FAKE_MS by
-    step name (`FAKE_TILED#i`)."""
+    step name (`FAKE_TILED#i`). `vllm_launch` is the launch a vLLM backend would make of it."""
 
     name = "FAKE_TILED"
     TILES = ((64, 64), (64, 32), (32, 32), (16, 32))
 
     def __init__(self, params=None):
         self.params = params
+
+    def vllm_launch(self, *, max_seq_len):
+        return FakeVllmLaunch(max_seq_len)
 
     def tile_candidates(self, problem, inputs):
         from collections import namedtuple
