@@ -7,7 +7,7 @@ against the float32 reference, then timed together with the other --backends by 
 is not of --form are skipped.
 
     python3 bench/forms_ab.py --form qk1 --heads 64,128 \\
-        --set "QK1_SCORES_AHEAD_FORMS={('qk1', 'fp8', 'dense'), ('qk1', '16bit', 'dense')}"
+        --set "QK1_QUERY_REG_COLS={}"   # B: no query columns in registers
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def environment() -> dict:
         facts["driver"] = driver.decode() if isinstance(driver, bytes) else driver
     except Exception as exc:  # noqa: BLE001 - the header says what is missing
         facts["nvml"] = f"unavailable ({exc})"
-    for module in ("triton", "flashinfer"):
+    for module in ("triton", "flashinfer", "vllm"):
         try:
             facts[module] = __import__(module).__version__
         except Exception as exc:  # noqa: BLE001

@@ -68,7 +68,7 @@ def select_devices(devices, gpus: str | None, *, force: bool):
     return usable
 
 
-def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) -> None:
+def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None, engine_max_seq_len=None) -> None:
     """Validate, probe, tune, print. Bad input exits 2 before anything is stored; no GPU exits 1."""
     from mla_tune.cli.main import db_url
     from mla_tune.store.engine import StoreError
@@ -91,7 +91,7 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None) 
     except ProbeError as exc:
         raise fail(f"cannot tune: {exc}") from None
     devices = select_devices(devices, gpus, force=force)
-    options = TuneOptions(budget_s=budget_s, resume=resume, force=force)
+    options = TuneOptions(budget_s=budget_s, resume=resume, force=force, engine_max_seq_len=engine_max_seq_len)
     try:
         with Store.open(url) as store:
             def on_plan(plans, estimate):
@@ -179,9 +179,13 @@ def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
 @click.option("--workload", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Workload profile (JSON or TOML): batch_size and kv_len weights, or explicit shapes.")
 @click.option("--mtp", is_flag=True, help="Also tune q_len 2 (multi-token prediction).")
+@click.option("--engine-max-seq-len", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+              help="vLLM's max_seq_len our kernel is timed with as vLLM launches it (e.g. your --max-model-len, "
+                   "which vLLM's full CUDA graphs are captured with). Default: the longest kv_len tuned.")
 @db_option
 @click.pass_context
-def tune(ctx, model, tp, heads, kv_cache_dtype, quick, thorough, budget_s, resume, force, gpus, workload, mtp):
+def tune(ctx, model, tp, heads, kv_cache_dtype, quick, thorough, budget_s, resume, force, gpus, workload, mtp,
+         engine_max_seq_len):
     """Time every eligible MLA backend on this GPU and store the decisions.
 
     Probes the GPU(s), checks each backend against the float32 reference,
@@ -193,7 +197,8 @@ def tune(ctx, model, tp, heads, kv_cache_dtype, quick, thorough, budget_s, resum
     Example: mla-tune tune --model deepseek-v3 --tp 2,8 --kv-cache-dtype fp8 --quick
     """
     spec = _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp)
-    run_tune(ctx, spec, budget_s=budget_s, resume=resume, force=force, gpus=gpus)
+    run_tune(ctx, spec, budget_s=budget_s, resume=resume, force=force, gpus=gpus,
+             engine_max_seq_len=engine_max_seq_len)
 
 
 def main_job(ctx) -> None:

@@ -134,8 +134,6 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
-# qk1 forms whose scoring warpgroup issues the next tile's score MMAs before this tile's softmax.
-QK1_SCORES_AHEAD_FORMS: set[tuple[str, str, str]] = set()
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -260,5 +258,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla,
-        SCORES_AHEAD=form in QK1_SCORES_AHEAD_FORMS)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla)

@@ -107,11 +107,10 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
 
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, WAITED: gl.constexpr = False):
-    """Warpgroup 0 on tile `t`, once its score MMAs `s` are issued (`WAITED`: and finished): waits for them, runs the
-    online softmax, hands p (over the slot's rope columns) and the rescale factors to warpgroup 1, rescales its output
-    columns and issues `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max,
-    running sum)."""
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Warpgroup 0 on tile `t`, once its score MMAs `s` are issued: waits for them, runs the online softmax, hands p
+    (over the slot's rope columns) and the rescale factors to warpgroup 1, rescales its output columns and issues
+    `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -125,10 +124,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     COLUMN_BIAS: gl.constexpr = prog.Q_LEN == 1
     if COLUMN_BIAS:
         bias = gl.where(ok, 0.0, float("-inf"))
-    if WAITED:
-        scores = s
-    else:
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     if COLUMN_BIAS:
         scores = scores * prog.qk_scale + bias[None, :]
     else:
@@ -152,33 +148,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
 
 
 @gluon.jit
-def _qk1_scores_ahead(q_lat, q_rope, q_regs, acc, m_i, l_i, zero_s, ring: Ring, exch: Qk1Exchange, prog: Program,
-                      visible_len, s_layout: gl.constexpr, o_layout: gl.constexpr, REG_COLS: gl.constexpr):
-    """Warpgroup 0's tiles with the next tile's score MMAs issued right after this tile's `p @ v`, before waiting for
-    it, so the tensor cores go from one to the other without a gap. Returns (output accumulator, running max, running
-    sum)."""
-    scores = zero_s
-    if prog.n_tiles > 0:
-        slot, phase = _full_slot(ring, 0, prog.FENCE_SLOTS)
-        scores = warpgroup_mma_wait(num_outstanding=0,
-                                    deps=(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS),))
-    for t in range(prog.n_tiles):
-        pv, m_i, l_i = _qk1_tile(scores, acc, m_i, l_i, t, ring, exch, prog, visible_len, s_layout, o_layout, True)
-        if t + 1 < prog.n_tiles:
-            slot, phase = _full_slot(ring, t + 1, prog.FENCE_SLOTS)
-            s = _qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))  # groups finish in order: p @ v first
-            mbarrier.arrive(ring.empty_bars.index(t % ring.STAGES))
-            scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            mbarrier.arrive(ring.empty_bars.index(t % ring.STAGES))
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
-                SCORES_AHEAD: gl.constexpr = False):
+def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0):
     """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
@@ -194,16 +164,12 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, prog.BLOCK_N], gl.float32, s_layout)
     q_regs = _qk1_query_regs(prog, s_layout, REG_COLS)
-    if SCORES_AHEAD:
-        acc, m_i, l_i = _qk1_scores_ahead(q_lat, q_rope, q_regs, acc, m_i, l_i, zero_s, ring, exch, prog, visible_len,
-                                          s_layout, o_layout, REG_COLS)
-    else:
-        for t in range(prog.n_tiles):
-            slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
-            acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i,
-                                      l_i, t, ring, exch, prog, visible_len, s_layout, o_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(ring.empty_bars.index(slot))
+    for t in range(prog.n_tiles):
+        slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
+        acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
+                                  ring, exch, prog, visible_len, s_layout, o_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
     mbarrier.arrive(exch.l_bar)
     _epilogue(acc, m_i, l_i, prog, o_layout, rows_s, 0, 256, True)
@@ -237,7 +203,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, SCORES_AHEAD: gl.constexpr = False):
+             LOAD_REGS: gl.constexpr):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -249,7 +215,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     mbarrier.init(l_bar, count=1)
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
     gl.warp_specialize([
-        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, SCORES_AHEAD)),
+        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
         (_qk1_second, (ring, exch, prog)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

@@ -70,9 +70,9 @@ def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
 
 def test_forms_ab_switches_one_dispatch_value_only_while_it_launches():
     ab = load("forms_ab")
-    args = ab.parse_args(["--set", "QK1_SCORES_AHEAD_FORMS={('qk1', 'fp8', 'dense')}", "--heads", "128",
+    args = ab.parse_args(["--set", "L2_PREFETCH_FORMS={('qk1', 'fp8', 'dense')}", "--heads", "128",
                           "--dense-only", "--kv-dtype", "fp8_e4m3"])
-    assert args.switch_name == "QK1_SCORES_AHEAD_FORMS" and args.switch_value == {("qk1", "fp8", "dense")}
+    assert args.switch_name == "L2_PREFETCH_FORMS" and args.switch_value == {("qk1", "fp8", "dense")}
     assert {s[1] for s in ab.kernels.grid(args)} == {128}
     from mla_tune.backends.triton_mla import dispatch
 
@@ -80,9 +80,9 @@ def test_forms_ab_switches_one_dispatch_value_only_while_it_launches():
 
     class Runner:
         def run(self, inputs):
-            seen.append(set(dispatch.QK1_SCORES_AHEAD_FORMS))
+            seen.append(set(dispatch.L2_PREFETCH_FORMS))
             return inputs
 
-    before = set(dispatch.QK1_SCORES_AHEAD_FORMS)
+    before = set(dispatch.L2_PREFETCH_FORMS)
     assert ab.SwitchedRunner(Runner(), args.switch_name, args.switch_value).run("x") == "x"
-    assert seen == [{("qk1", "fp8", "dense")}] and dispatch.QK1_SCORES_AHEAD_FORMS == before
+    assert seen == [{("qk1", "fp8", "dense")}] and dispatch.L2_PREFETCH_FORMS == before
