@@ -4,8 +4,8 @@ A decision keeps the fastest kernel overall (`winner`) and, per engine, the fast
 kernel is the one the engine runs under that name (`Decision.engine_best`, from the registry's
 `vllm_name` / `sglang_name`). Our own kernels reach vLLM only through our plugin, so they are handed to
 vLLM only where the plugin is installed, and only when the launch the plugin makes (timed by the tuner,
-`Decision.plugin_scores`) beats vLLM's fastest own backend. The name mapping is data in the registry; docs/fleet.md shows it
-(a test keeps it equal to `engine_table_markdown()`).
+`Decision.plugin_scores`) beats vLLM's fastest own backend. The name mapping is data in the registry;
+docs/fleet.md shows it (a test keeps it equal to `engine_table_markdown()`).
 
 Importing this module loads no torch, triton or flashinfer.
 """

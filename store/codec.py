@@ -209,7 +209,8 @@ def decision_from(row: Mapping[str, Any], fingerprint: SoftwareFingerprint) -> D
     kept = row["kept_static"]
     if kept not in (0, 1, True, False):
         raise _bad("kept_static", kept, "true or false")
-    return Decision(key=key_from(row), winner=_text(row, "winner"), static_choice=_text(row, "static_choice", null=True),
+    return Decision(key=key_from(row), winner=_text(row, "winner"),
+                    static_choice=_text(row, "static_choice", null=True),
                     scores={str(k): _number(v, "scores") for k, v in scores.items()},
                     runner_up=_text(row, "runner_up", null=True), margin=_number(row["margin"], "margin", null=True),
                     static_score=_number(row["static_score"], "static_score", null=True),

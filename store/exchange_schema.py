@@ -192,7 +192,8 @@ DECISION = {
     "static_choice": optional(backend_name), "static_score": optional(SCORE),
     "noise_margin": number(0.0, 1.0), "kept_static": boolean,
     "scores": ("map", backend_name, SCORE), "per_shape": ("list", SHAPE_WINNER),
-    "anomalies": ("list", string(4096, free_text=True)), "failures": ("map", backend_name, string(4096, free_text=True)),
+    "anomalies": ("list", string(4096, free_text=True)),
+    "failures": ("map", backend_name, string(4096, free_text=True)),
     "gpu_uuids": ("list", string(96)), "decided_at": timestamp(),
     "engine_best": ("optional", ("map", string(32, empty=False, pattern=r"[a-z][a-z0-9_]*"), backend_name)),
     # Below 0.999 is possible: the vLLM launch is scored against the per-shape best of the tuned launches.
