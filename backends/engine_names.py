@@ -47,6 +47,14 @@ def engine_name(backend: str, engine: str, *, with_plugin: bool = False) -> str 
     return info.vllm_name or plugin
 
 
+def plugin_only(backend: str, engine: str) -> bool:
+    """Whether `engine` runs our `backend` only through mla-tune's plugin (our own kernels in vLLM); False for an
+    unknown name."""
+    info = BACKENDS.get(str(backend).strip().upper())
+    return (info is not None and check_engine(engine) == "vllm" and not info.vllm_name
+            and bool(getattr(info, "vllm_plugin_name", None)))
+
+
 def rank_for_engine(scores: Mapping[str, float], engine: str, *,
                     with_plugin: bool = False) -> list[tuple[str, str, float]]:
     """(ours, engine's name, score) for every scored backend the engine runs, best first.
@@ -108,8 +116,7 @@ def vllm_gap(decision) -> VllmGap | None:
     best = (decision.engine_best or {}).get("vllm")
     best = best if best in scores else None
     static = decision.static_choice
-    plugin = fastest if fastest in BACKENDS and engine_name(fastest, "vllm", with_plugin=True) \
-        and not BACKENDS[fastest].vllm_name else None
+    plugin = fastest if plugin_only(fastest, "vllm") else None
     plugin_score = (getattr(decision, "plugin_scores", None) or {}).get(plugin) if plugin else None
     return VllmGap(fastest, best, scores[best] / scores[fastest] if best else None, static,
                    scores[static] / scores[best] if best and static in scores else None, plugin,

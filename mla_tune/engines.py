@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mla_tune.backends.engine_names import ENGINES, check_engine, engine_name, rank_for_engine
+from mla_tune.backends.engine_names import ENGINES, check_engine, engine_name, plugin_only, rank_for_engine
 from mla_tune.backends.registry import BACKENDS
 
 __all__ = ["ENGINES", "EngineChoice", "choice_for_engine", "choose_for_engine", "decision_for_engine",
@@ -42,7 +42,7 @@ def engine_table_markdown() -> str:
     lines = ["| ours | vLLM `--attention-backend` | SGLang `--attention-backend` |",
              "|---|---|---|"]
     for ours, vllm, sglang in engine_table():
-        plugin = " (mla-tune's vLLM plugin)" if vllm and not BACKENDS[ours].vllm_name else ""
+        plugin = " (mla-tune's vLLM plugin)" if plugin_only(ours, "vllm") else ""
         lines.append(f"| `{ours}` | {f'`{vllm}`{plugin}' if vllm else '-'} | {f'`{sglang}`' if sglang else '-'} |")
     return "\n".join(lines)
 
@@ -59,15 +59,12 @@ def vllm_plugin_missing() -> str | None:
     return None if status.can_serve else "; ".join(status.reasons)
 
 
-_VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-
-
 def plugin_refusals(backend: str, key: Mapping | None) -> list[str]:
     """Why our vLLM backend for `backend` cannot serve a decision key (`DecisionKey.to_dict()` form), in
     our vLLM backend's own terms (`mla_tune.vllm_backends.capabilities`); empty when it can or `key` is None."""
     if key is None:
         return []
-    from mla_tune.vllm_backends.capabilities import BACKENDS as PLUGIN_BACKENDS, refusal_reasons
+    from mla_tune.vllm_backends.capabilities import BACKENDS as PLUGIN_BACKENDS, refusal_reasons, vllm_dtype
 
     caps = PLUGIN_BACKENDS.get(engine_name(backend, "vllm", with_plugin=True) or "")
     if caps is None:
@@ -75,8 +72,8 @@ def plugin_refusals(backend: str, key: Mapping | None) -> list[str]:
     kv = str(key.get("kv_cache_dtype", ""))
     rank, rope = (int(x) for x in str(key.get("geometry", "512/64")).split("/")[:2])
     major, _, minor = str(key.get("compute_capability", "")).partition(".")
-    return refusal_reasons(caps, sparse=bool(key.get("topk")), kv_cache_dtype=_VLLM_DTYPES.get(kv, kv),
-                           model_dtype=_VLLM_DTYPES.get(str(key.get("query_dtype")), key.get("query_dtype")),
+    return refusal_reasons(caps, sparse=bool(key.get("topk")), kv_cache_dtype=vllm_dtype(kv),
+                           model_dtype=None if key.get("query_dtype") is None else vllm_dtype(str(key["query_dtype"])),
                            num_heads=key.get("num_heads"), block_size=key.get("page_size"),
                            head_size=rank + rope, kv_lora_rank=rank,
                            capability=(int(major), int(minor)) if major.isdigit() and minor.isdigit() else None)
@@ -145,7 +142,7 @@ def choose_for_engine(*, winner: str, scores: Mapping[str, float], engine: str,
                             f"{winner} may not be the kernel {title} runs under that name); re-run `mla-tune` "
                             f"to tune again; {title} makes its own choice")
     plugin_name = engine_name(winner, engine, with_plugin=True)
-    if not (engine == "vllm" and plugin_name and not BACKENDS[winner].vllm_name):
+    if not plugin_only(winner, engine):
         return _engine_own(engine, winner=winner, scores=scores, engine_best=engine_best,
                            static_choice=static_choice, why_not_ours="")
     if plugin_missing is None:

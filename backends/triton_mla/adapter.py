@@ -21,6 +21,16 @@ def reads_ds_mla(problem: Problem) -> bool:
     return problem.kv_cache_dtype == "fp8_ds_mla"
 
 
+def ds_mla_copies(problem: Problem, backend: str):
+    """Where a launch reading fp8_ds_mla rows keeps each input set's packed copy (`DsMlaCopies`); None for the
+    caches our kernel reads as they are."""
+    if not reads_ds_mla(problem):
+        return None
+    from mla_tune.backends.vllm_kernels.flashmla import DsMlaCopies
+
+    return DsMlaCopies(backend)
+
+
 def unit_lengths(problem: Problem, seq_lens: list[int]) -> list[int]:
     """What the splits are chosen from: the requests' lengths (dense) or top-k per request (sparse)."""
     return [problem.topk] * len(seq_lens) if problem.sparse else list(seq_lens)
@@ -63,24 +73,17 @@ class PreparedTritonMLA:
         self.lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
         self.workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads,
                                               sparse=problem.sparse, device=q.device)
-        self.ds_mla = reads_ds_mla(problem)
-        self._packed: dict[int, torch.Tensor] = {}
+        self.copies = ds_mla_copies(problem, "MLA_TUNE_TRITON_SPARSE")
 
     def adopt(self, inputs: DecodeInputs) -> None:
         """Pack this input set's FP8 cache into fp8_ds_mla rows (untimed); other caches are read as they are."""
-        if self.ds_mla and inputs.kv_cache.data_ptr() not in self._packed:
-            from mla_tune.backends.vllm_kernels.flashmla import pack_fp8_ds_mla
-
-            self._packed[inputs.kv_cache.data_ptr()] = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale)
+        if self.copies is not None:
+            self.copies.adopt(inputs)
 
     def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         kv_cache, kv_scale = inputs.kv_cache, inputs.kv_scale
-        if self.ds_mla:
-            kv_cache, kv_scale = self._packed.get(kv_cache.data_ptr()), None
-            if kv_cache is None:
-                from mla_tune.backends.vllm_kernels import not_adopted
-
-                raise not_adopted("MLA_TUNE_TRITON_SPARSE")
+        if self.copies is not None:
+            kv_cache, kv_scale = self.copies.rows(inputs), None
         launch(inputs.q, kv_cache, inputs.block_table, inputs.seq_lens, self.out, self.lse,
                sm_scale=inputs.sm_scale, kv_scale=kv_scale,
                topk_indices=inputs.topk_indices, params=self.params, workspace=self.workspace)

@@ -84,6 +84,28 @@ def pack_fp8_ds_mla(kv_cache: "torch.Tensor", kv_scale: float, out: "torch.Tenso
     return _write_fp8_ds_mla(kv_cache[..., :512], scales, kv_cache[..., 512:].float() * float(kv_scale), out)
 
 
+class DsMlaCopies:
+    """Each rotated input set's e4m3 cache packed into fp8_ds_mla rows once, untimed (`adopt`), and found again by
+    the cache's address when the timed launch reads it (`rows`)."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self._rows: dict[int, "torch.Tensor"] = {}
+
+    def adopt(self, inputs: DecodeInputs) -> None:
+        if inputs.kv_cache.data_ptr() not in self._rows:
+            self._rows[inputs.kv_cache.data_ptr()] = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def rows(self, inputs: DecodeInputs) -> "torch.Tensor":
+        rows = self._rows.get(inputs.kv_cache.data_ptr())
+        if rows is None:
+            raise not_adopted(self.backend)
+        return rows
+
+
 def quantize_fp8_ds_mla(values: "torch.Tensor", out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """fp8_ds_mla bytes `[..., 656]` of float values `[..., 576]` as vLLM's cache writer stores them: each
     128-value latent group in e4m3 under the scale `amax / 448` of that token's group, RoPE in bf16."""
@@ -178,7 +200,7 @@ class _PreparedSparse:
         self.fp8 = inputs.kv_cache.dtype == torch.float8_e4m3fn
         slots, counts = global_slots(problem, inputs)
         self.sm_scale = inputs.sm_scale
-        self._packed: dict[int, torch.Tensor] = {}
+        self.copies = DsMlaCopies("FLASHMLA_SPARSE")
         if self.fp8:
             if problem.page_size % SPARSE_PAGE:
                 raise BackendUnavailable(f"FlashMLA's sparse FP8 kernel reads {SPARSE_PAGE}-token pages; "
@@ -210,15 +232,13 @@ class _PreparedSparse:
 
     def adopt(self, inputs: DecodeInputs) -> None:
         """Pack this input set's FP8 cache into fp8_ds_mla (untimed); bf16 caches are read as they are."""
-        if self.fp8 and inputs.kv_cache.data_ptr() not in self._packed:
-            self._packed[inputs.kv_cache.data_ptr()] = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale)
+        if self.fp8:
+            self.copies.adopt(inputs)
 
     def run(self, inputs: DecodeInputs):
         batch, q_len, heads, width = inputs.q.shape
         if self.fp8:
-            packed = self._packed.get(inputs.kv_cache.data_ptr())
-            if packed is None:
-                raise not_adopted("FLASHMLA_SPARSE")
+            packed = self.copies.rows(inputs)
             q = inputs.q.view(*self.lead, heads, width)
             if self.q_pad is not None:
                 self.q_pad[..., :heads, :].copy_(q)

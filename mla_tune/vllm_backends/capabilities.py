@@ -67,6 +67,11 @@ def _cc(capability) -> str:
     return f"{capability[0]}.{capability[1]}"
 
 
+def vllm_dtype(name: str) -> str:
+    """vLLM's name for one of our dtype names (`bf16` -> `bfloat16`, `fp16` -> `float16`); others are the same."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(name, name)
+
+
 def refusal_reasons(caps: VllmBackendCapabilities, *, head_size: int | None = None, model_dtype: str | None = None,
                     kv_cache_dtype: str | None = None, block_size: int | None = None, sparse: bool | None = None,
                     capability: tuple[int, int] | None = None, num_heads: int | None = None,

@@ -14,11 +14,9 @@ import torch
 
 from mla_tune.backends.interface import BackendUnavailable, DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
-from mla_tune.vllm_backends.capabilities import DENSE, SPARSE, refusal_reasons
+from mla_tune.backends.triton_mla.adapter import ds_mla_copies
+from mla_tune.vllm_backends.capabilities import DENSE, SPARSE, refusal_reasons, vllm_dtype
 from mla_tune.vllm_backends.launch import IdentityPages, dense_forward, sparse_forward
-
-_VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "fp8_e4m3", "fp8_ds_mla": "fp8_ds_mla"}
-
 
 def vllm_block_table(block_table: torch.Tensor, *, page_size: int, max_seq_len: int) -> torch.Tensor:
     """`block_table` padded with page 0 to vLLM's width for `max_seq_len` (never narrower than it is)."""
@@ -45,29 +43,26 @@ class PreparedVllmLaunch:
 
     def __init__(self, problem: Problem, inputs: DecodeInputs, *, max_seq_len: int | None):
         self.problem, self.max_seq_len = problem, max_seq_len
-        self.ds_mla = problem.kv_cache_dtype == "fp8_ds_mla"
+        self.copies = ds_mla_copies(problem, "MLA_TUNE_TRITON_SPARSE@vllm")
         dev = inputs.q.device
         # vLLM's layer._k_scale for an e4m3 cache; fp8_ds_mla rows carry their own scales
         self.k_scale = (torch.tensor([inputs.kv_scale], dtype=torch.float32, device=dev)
-                        if inputs.kv_scale is not None and not self.ds_mla else None)
+                        if inputs.kv_scale is not None and self.copies is None else None)
         if problem.sparse:
             self.rows = global_rows(inputs.topk_indices, inputs.block_table, page_size=problem.page_size)
             self.identity = IdentityPages(self.rows.shape[0])
         else:
             self.table = vllm_block_table(inputs.block_table, page_size=problem.page_size, max_seq_len=max_seq_len)
-        self._packed: dict[int, torch.Tensor] = {}
 
     def adopt(self, inputs: DecodeInputs) -> None:
         """Pack this input set's e4m3 cache into vLLM's fp8_ds_mla rows (untimed); other caches are read as they are."""
-        if self.ds_mla and inputs.kv_cache.data_ptr() not in self._packed:
-            from mla_tune.backends.vllm_kernels.flashmla import pack_fp8_ds_mla
-
-            self._packed[inputs.kv_cache.data_ptr()] = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale)
+        if self.copies is not None:
+            self.copies.adopt(inputs)
 
     def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         batch, q_len, num_heads, width = inputs.q.shape
         q = inputs.q.view(batch * q_len, num_heads, width)   # vLLM's tokens, request-major
-        kv_cache = self._packed[inputs.kv_cache.data_ptr()] if self.ds_mla else inputs.kv_cache
+        kv_cache = inputs.kv_cache if self.copies is None else self.copies.rows(inputs)
         rank = self.problem.geometry.kv_lora_rank
         if self.problem.sparse:
             out, lse = sparse_forward(q, kv_cache, self.rows, block_size=self.problem.page_size,
@@ -95,8 +90,8 @@ class VllmLaunch:
         check_inputs(problem, inputs)
         rank, rope = problem.geometry.kv_lora_rank, problem.geometry.qk_rope_head_dim
         refused = refusal_reasons(self.caps, sparse=problem.sparse, head_size=rank + rope, kv_lora_rank=rank,
-                                  model_dtype=_VLLM_DTYPES[problem.query_dtype], num_heads=problem.num_heads,
-                                  kv_cache_dtype=_VLLM_DTYPES.get(problem.kv_cache_dtype, problem.kv_cache_dtype),
+                                  model_dtype=vllm_dtype(problem.query_dtype), num_heads=problem.num_heads,
+                                  kv_cache_dtype=vllm_dtype(problem.kv_cache_dtype),
                                   block_size=problem.page_size,
                                   capability=torch.cuda.get_device_capability(inputs.q.device)
                                   if inputs.q.is_cuda else None)

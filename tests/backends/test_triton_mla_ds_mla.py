@@ -141,7 +141,7 @@ def run_adapter(heads: int, batch: int, kv_len: int, topk: int, *, device) -> di
     ref = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
                         kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices)
     result = errors(*prepared.run(rotated), *ref)
-    result.update(tl=not prepared.params.warp_specialized, packed=len(prepared._packed), some_unseen=True)
+    result.update(tl=not prepared.params.warp_specialized, packed=len(prepared.copies), some_unseen=True)
     return result
 
 
