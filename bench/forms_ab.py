@@ -70,37 +70,29 @@ class SwitchedRunner:
             adopt(inputs)
 
 
+def ours_of(shape) -> str:
+    return "MLA_TUNE_TRITON_SPARSE" if shape[4] else "MLA_TUNE_TRITON"
+
+
 def run_shape(shape, args, env) -> list[dict]:
     import torch
 
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.problem import Problem, Shape
+    from mla_tune.backends.registry import load_adapter
 
     kv, heads, batch, kv_len, topk = shape
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=args.page_size, topk=topk)
-    ours = "MLA_TUNE_TRITON_SPARSE" if topk else "MLA_TUNE_TRITON"
+    ours = ours_of(shape)
     others = [n.strip() + ("_SPARSE" if topk else "") for n in args.others.split(",") if n.strip()]
     inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch)
     base = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-",
                 checked=f"{min(batch, args.check_requests)}/{batch}")
-    rows, prepared = kernels._prepare_and_check(problem, inputs, [ours, *others], args, env, base)
+    variant = (VARIANT, ours, lambda: SwitchedRunner(load_adapter(ours)().prepare(problem, inputs),
+                                                     args.switch_name, args.switch_value))
+    rows, prepared = kernels._prepare_and_check(problem, inputs, [ours, *others], args, env, base, extra=[variant])
     if ours not in prepared or prepared[ours][0].params.kernel_form != args.form:
         return []
-    from mla_tune.backends.registry import load_adapter
-    from mla_tune.backends.reference import mla_reference
-    from mla_tune.tuner.gate import check_output
-
-    variant = SwitchedRunner(load_adapter(ours)().prepare(problem, inputs), args.switch_name, args.switch_value)
-    n = min(batch, args.check_requests)
-    sub = kernels.subset(inputs, n)
-    ref = mla_reference(sub.q, sub.kv_cache, sub.block_table, sub.seq_lens, sm_scale=sub.sm_scale,
-                        kv_scale=sub.kv_scale, topk_indices=sub.topk_indices)
-    out, lse = variant.run(inputs)
-    verdict = check_output(out[:n], lse[:n], *ref, kv_cache_dtype=kv)
-    row = {**base, "backend": VARIANT, "rel_err": verdict.rel_error}
-    if not verdict.ok:
-        return rows + [{**row, "status": f"incorrect: {verdict.reason}"}]
-    prepared[VARIANT] = (variant, row)
     rows += kernels._time_prepared(prepared, inputs, args, env)
     torch.cuda.empty_cache()
     return rows
@@ -126,11 +118,10 @@ def main(argv=None) -> int:
         rows = run_shape(shape, args, env)
         for r in rows:
             print(kernels.format_row(r), flush=True)
-        times = {r["backend"].split("_SPARSE")[0].replace("MLA_TUNE_TRITON:B", "B"): r["median_us"]
-                 for r in rows if r.get("median_us")}
-        if "B" in times and "MLA_TUNE_TRITON" in times:
-            logs.append(math.log(times["MLA_TUNE_TRITON"] / times["B"]))
-            print(f"# {shape}: A / B = {times['MLA_TUNE_TRITON'] / times['B']:.3f}", flush=True)
+        times = {r["backend"]: r["median_us"] for r in rows if r.get("median_us")}
+        if VARIANT in times and ours_of(shape) in times:
+            logs.append(math.log(times[ours_of(shape)] / times[VARIANT]))
+            print(f"# {shape}: A / B = {math.exp(logs[-1]):.3f}", flush=True)
     if logs:
         print(f"# A / B over {len(logs)} shapes: geomean {math.exp(sum(logs) / len(logs)):.3f}, "
               f"range {math.exp(min(logs)):.3f}-{math.exp(max(logs)):.3f}")

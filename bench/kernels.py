@@ -142,9 +142,10 @@ def subset(inputs, n: int):
                         inputs.sm_scale, inputs.kv_scale, idx)
 
 
-def _prepare_and_check(problem, inputs, names, args, env, base: dict) -> tuple[list[dict], dict]:
+def _prepare_and_check(problem, inputs, names, args, env, base: dict, *, extra=()) -> tuple[list[dict], dict]:
     """Prepare every eligible backend on `inputs` and check it against the float32 reference on the first
-    --check-requests requests: (rows of those that failed or were wrong, {name: (runner, row)} of the rest)."""
+    --check-requests requests: (rows of those that failed or were wrong, {label: (runner, row)} of the rest).
+    `extra`: more (label, backend, make) to check the same way, `make()` giving a prepared runner of `backend`."""
     import torch
 
     from mla_tune.backends.interface import BackendUnavailable
@@ -157,28 +158,28 @@ def _prepare_and_check(problem, inputs, names, args, env, base: dict) -> tuple[l
     ref_out, ref_lse = mla_reference(sub.q, sub.kv_cache, sub.block_table, sub.seq_lens,
                                      sm_scale=sub.sm_scale, kv_scale=sub.kv_scale,
                                      topk_indices=sub.topk_indices)
+    eligible = [(name, name, lambda name=name: load_adapter(name)().prepare(problem, inputs))
+                for name in names if not backend_reasons(name, problem, env["spec"])]
     rows, prepared = [], {}
-    for name in names:
-        if backend_reasons(name, problem, env["spec"]):
-            continue
+    for label, backend, make in [*eligible, *extra]:
         try:
-            runner = load_adapter(name)().prepare(problem, inputs)
+            runner = make()
             out, lse = runner.run(inputs)
             torch.cuda.synchronize()
         except BackendUnavailable as exc:
-            rows.append({**base, "backend": name, "status": f"unavailable: {exc}"[:160]})
+            rows.append({**base, "backend": label, "status": f"unavailable: {exc}"[:160]})
             continue
         except Exception as exc:  # noqa: BLE001 - a failure is data
-            rows.append({**base, "backend": name, "status": f"failed: {type(exc).__name__}: {exc}"[:160]})
+            rows.append({**base, "backend": label, "status": f"failed: {type(exc).__name__}: {exc}"[:160]})
             continue
-        fp8_query = quantizes_query(name, problem.kv_cache_dtype)
+        fp8_query = quantizes_query(backend, problem.kv_cache_dtype)
         verdict = check_output(out[:n_check], None if lse is None else lse[:n_check], ref_out, ref_lse,
                                kv_cache_dtype=problem.kv_cache_dtype, fp8_query=fp8_query)
-        row = {**base, "backend": name, "rel_err": verdict.rel_error, "fp8_query": fp8_query}
+        row = {**base, "backend": label, "rel_err": verdict.rel_error, "fp8_query": fp8_query}
         if not verdict.ok:
             rows.append({**row, "status": f"incorrect: {verdict.reason}"})
             continue
-        prepared[name] = (runner, row)
+        prepared[label] = (runner, row)
     return rows, prepared
 
 
