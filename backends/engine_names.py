@@ -124,8 +124,9 @@ def vllm_gap(decision) -> VllmGap | None:
 
 
 def vllm_regret(decision) -> str:
-    """`vllm_gap` in words for one decision: e.g. "FLASHMLA, 1.30x MLA_TUNE_TRITON; static FLASH_ATTN_MLA 1.05x;
-    MLA_TUNE_TRITON as vLLM launches it 1.12x"; "not timed" when the decision never timed vLLM's kernels."""
+    """`vllm_gap` in words for one decision, e.g. "FLASH_ATTN_MLA, 1.22x MLA_TUNE_TRITON; MLA_TUNE_TRITON as vLLM
+    launches it 1.36x" (with "; static X Nx" where vLLM's static choice is another backend); "not timed" when
+    the decision never timed vLLM's kernels."""
     gap = vllm_gap(decision)
     if gap is None or gap.best is None:
         return "not timed" if decision.engine_best is None else "-"
