@@ -200,8 +200,8 @@ def test_0005_leaves_a_stored_decision_without_plugin_scores_which_keeps_our_ker
 
 
 def test_0003_merges_runs_duplicated_by_interleaved_imports_then_keeps_them_unique(store_url):
-    """Two imports of one file used to store its run twice (with every measurement twice): upgrading
-    merges them; afterwards the database itself refuses a second copy of a run."""
+    """A database before 0003 can hold one file's run twice (two interleaved imports, every measurement twice):
+    upgrading merges them; afterwards the database itself refuses a second copy of a run."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.exc import IntegrityError
     from store_samples import FP, H100, key, measurement
