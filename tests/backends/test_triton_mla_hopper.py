@@ -723,3 +723,128 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
+
+
+# ---------------------------------------------------------------- the e4m3 query (MLA_TUNE_TRITON_FP8Q)
+
+def test_query_fp8_runs_only_the_qk1_form_on_an_fp8_cache():
+    from mla_tune.backends.triton_mla import LaunchParams, mla_decode
+    from mla_tune.backends.triton_mla.dispatch import (
+        HOPPER_TOKEN_SPLIT_TILE, QUERY_FP8_TILE, candidate_tiles, default_tile, hopper_constexprs)
+
+    with pytest.raises(ValueError, match="qk1 form only"):
+        LaunchParams(**HOPPER_TOKEN_SPLIT_TILE.replace(query_fp8=True).launch_fields())
+    facts = dict(num_heads=16, q_len=1, batch=4, max_items=4096, kv_fp8=True)
+    assert default_tile(**facts, cc_major=9, query_fp8=True) == QUERY_FP8_TILE
+    tiles = candidate_tiles(**facts, cc_major=9, query_fp8=True)
+    assert tiles[0] == QUERY_FP8_TILE and all(t.query_fp8 and t.num_warps == 4 for t in tiles), tiles
+    assert not any(t.query_fp8 for t in candidate_tiles(**facts, cc_major=9))  # MLA_TUNE_TRITON never takes it
+    for change, reason in (({"cc_major": 8}, "SM90"), ({"cc_major": 9, "kv_fp8": False}, "float8_e4m3fn"),
+                           ({"cc_major": 9, "ds_mla": True}, "fp8_ds_mla"), ({"cc_major": 9, "sparse": True}, "dense")):
+        with pytest.raises(ValueError, match=reason):
+            default_tile(**{**facts, **change}, query_fp8=True)
+    params = LaunchParams(**QUERY_FP8_TILE.launch_fields())
+    form = hopper_constexprs(params, kv_fp8=True, sparse=False, splits=4)
+    assert form["QUERY_FP8"] and form["QK1"] and form["L2_PREFETCH"] and not form.get("QUERY_IN_CONSUMER"), form
+    # a 16-bit cache with the e4m3 query's parameters is refused before anything is launched
+    from mla_tune.backends.inputs import make_inputs
+
+    inputs = make_inputs(Problem(num_heads=16, page_size=16), Shape(1, 40))
+    with pytest.raises(ValueError, match="float8_e4m3fn cache"):
+        mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                   params=params)
+
+
+def test_query_fp8_is_a_backend_of_its_own_gated_as_fp8_query_and_never_handed_to_vllm():
+    from mla_tune.backends.engine_names import engine_name
+    from mla_tune.backends.problem import DeviceSpec
+    from mla_tune.backends.registry import backend_reasons, load_adapter
+    from mla_tune.tuner.gate import quantizes_query
+
+    h100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
+    fp8 = Problem(num_heads=16, kv_cache_dtype="fp8_e4m3", page_size=64)
+    assert not backend_reasons("MLA_TUNE_TRITON_FP8Q", fp8, h100, check_packages=False)
+    for problem, device in ((fp8.replace(kv_cache_dtype="bf16"), h100), (fp8.replace(topk=2048), h100),
+                            (fp8, DeviceSpec("NVIDIA A100-SXM4-80GB", (8, 0))),
+                            (fp8, DeviceSpec("NVIDIA B200", (10, 0)))):
+        assert backend_reasons("MLA_TUNE_TRITON_FP8Q", problem, device, check_packages=False), (problem, device)
+    assert quantizes_query("MLA_TUNE_TRITON_FP8Q", "fp8_e4m3") and not quantizes_query("MLA_TUNE_TRITON", "fp8_e4m3")
+    assert engine_name("MLA_TUNE_TRITON_FP8Q", "vllm", with_plugin=True) is None
+    adapter = load_adapter("MLA_TUNE_TRITON_FP8Q")
+    assert adapter.query_fp8 and adapter.vllm_launch is None  # the tuner times no vLLM launch of it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_len,page_size", [(1, 64), (2, 16)])
+def test_query_fp8_form_compiles_to_e4m3_wgmma_for_sm90a(q_len, page_size):
+    from collections import Counter
+
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+
+    ptx, smem, report = hopper_compile(kv="fp8", q_len=q_len, page_size=page_size, qk1=True, QUERY_FP8=True,
+                                       LOADER_AHEAD=False, QUERY_IN_CONSUMER=False, QUERY_REG_COLS=0)
+    assert hopper_smem_bytes(block_n=64, stages=2, qk1=True, query_fp8=True) <= smem <= SMEM_LIMIT, smem
+    # per tile: the scores as m64n64k32 over 576 e4m3 columns (18 k-steps), `p @ v` as m64n256k32 (2 a warpgroup);
+    # no 16-bit product, and no fp16 cast of the cache: the only e4m3 -> fp16 casts are of p's 32 values a thread,
+    # for the row sums
+    mmas = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", ptx))
+    assert mmas == {"m64n64k32.f32.e4m3.e4m3": 18, "m64n256k32.f32.e4m3.e4m3": 4}, mmas
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 16
+    assert _spill_bytes(report) <= 16, report  # 0 with Triton 3.9's ptxas, 8 bytes with 3.6's
+
+
+def _query_fp8_params(*, heads, q_len, batch, max_items, lengths):
+    from mla_tune.backends.triton_mla.dispatch import QUERY_FP8_TILE
+    from mla_tune.backends.triton_mla.splits import params_from_tile
+
+    return params_from_tile(QUERY_FP8_TILE, num_heads=heads, q_len=q_len, batch=batch, max_items=max_items,
+                            lengths=lengths, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+def _assert_fp8_query_gate(r):
+    from mla_tune.tuner.gate import FP8_QUERY_LSE_ABS_LIMIT, FP8_QUERY_REL_ERROR_LIMIT
+
+    assert not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"], r
+    assert r["rel_err"] < FP8_QUERY_REL_ERROR_LIMIT and r["lse_err"] < FP8_QUERY_LSE_ABS_LIMIT, r
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+@pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_gpu_query_fp8_edge_lengths(q_len, heads, page_size):
+    # lengths 1, 15, 16, 17, 1000, 0 (+ two long ones, so that requests split), permuted pages
+    lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
+    params = _query_fp8_params(heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens)
+    problem = _gpu_problem("fp8_e4m3", num_heads=heads, page_size=page_size, q_len=q_len)
+    _assert_fp8_query_gate(_run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params))
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("heads,batch,kv_len,q_len", [(16, 1, 32768, 1), (128, 2, 32768, 1), (64, 8, 4096, 1),
+                                                      (20, 33, 3000, 2), (128, 64, 1024, 2), (32, 64, 16384, 1)])
+def test_gpu_query_fp8_long(heads, batch, kv_len, q_len):
+    from mla_tune.backends.inputs import ragged_lengths
+
+    lens = ragged_lengths(Shape(batch, kv_len), page_size=64, min_len=q_len, seed=7)
+    params = _query_fp8_params(heads=heads, q_len=q_len, batch=batch, max_items=kv_len, lengths=lens)
+    problem = _gpu_problem("fp8_e4m3", num_heads=heads, page_size=64, q_len=q_len)
+    _assert_fp8_query_gate(_run_case(problem, Shape(batch, kv_len), device="cuda", params=params))
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("q_mult", [1e-3, 3e4])
+def test_gpu_query_fp8_scales_each_row_and_wraps_the_ring_many_times(q_mult):
+    # the row scales take any query magnitude (|q| ~ 1e-3 to 3e4, past fp16's range); one split of 3000 tokens runs
+    # 47 tiles, so both slots wrap their barrier phases many times; a 0-d scale tensor
+    lens = [3000, 17, 2999]
+    params = dataclasses.replace(_query_fp8_params(heads=64, q_len=1, batch=3, max_items=3000, lengths=lens),
+                                 num_splits=1, split_items=3008)
+    problem = Problem(num_heads=64, kv_cache_dtype="fp8_e4m3", page_size=64)
+    _assert_fp8_query_gate(_run_case(problem, Shape(3, 3000), device="cuda", seq_lens=lens, params=params,
+                                     q_mult=q_mult, scale_tensor=True))
