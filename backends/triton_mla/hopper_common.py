@@ -212,17 +212,18 @@ def _store_query(prog: Program, q_lat, q_rope, WARPS: gl.constexpr):
 def _store_query_e4m3(prog: Program, q_lat, q_rope, q_scales, WARPS: gl.constexpr):
     """The query's rows in e4m3 into `q_lat` / `q_rope`, each row divided by its own scale (its largest magnitude
     over E4M3_MAX, 1 for a row of zeros; into `q_scales`), by `WARPS` warps: a pass for the row maxima, then one
-    that rounds and stores (its loads hit the cache), 64 columns at a time. Fenced for wgmma."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    that rounds and stores (its loads hit the cache), 128 latent columns at a time (a whole 128-byte swizzle row of
+    `q_lat`). Fenced for wgmma."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     amax = gl.max(gl.abs(_load_query(prog, 512, layout, 64, True).to(gl.float32)), 1)
-    for c in gl.static_range(8):
-        amax = gl.maximum(amax, gl.max(gl.abs(_load_query(prog, c * 64, layout, 64, True).to(gl.float32)), 1))
+    for c in gl.static_range(4):
+        amax = gl.maximum(amax, gl.max(gl.abs(_load_query(prog, c * 128, layout, 128, True).to(gl.float32)), 1))
     scale = gl.where(amax > 0.0, amax / E4M3_MAX, 1.0)
     inv = (1.0 / scale)[:, None]
     q_rope.store((_load_query(prog, 512, layout, 64, True).to(gl.float32) * inv).to(gl.float8e4nv))
-    for c in gl.static_range(8):
-        q_lat.slice(c * 64, 64, dim=1).store(
-            (_load_query(prog, c * 64, layout, 64, True).to(gl.float32) * inv).to(gl.float8e4nv))
+    for c in gl.static_range(4):
+        q_lat.slice(c * 128, 128, dim=1).store(
+            (_load_query(prog, c * 128, layout, 128, True).to(gl.float32) * inv).to(gl.float8e4nv))
     q_scales.store(scale)
     fence_async_shared()
 
