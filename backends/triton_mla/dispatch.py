@@ -136,6 +136,8 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
+# How many tiles ahead the e4m3 query's loader asks the L2 for a tile's lines.
+QUERY_FP8_PREFETCH_TILES = 2
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -272,7 +274,7 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     if params.query_fp8:  # one loader (uncast bytes, L2 prefetch), the query stored before the partitions
         return dict(STAGES=params.num_stages, KV_FP8=True, N_ROWS=params.block_h, LOAD_REGS=HOPPER_LOAD_REGS["fp8_bytes"],
                     PARTIAL_EVICT_LAST=splits > 1, QK1=True, MMA_REGS=QK1_WORKER_REGS, L2_PREFETCH=True,
-                    CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, QUERY_FP8=True)
+                    CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, QUERY_FP8=True, PREFETCH_TILES=QUERY_FP8_PREFETCH_TILES)
     form = (params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense")
     qk1 = form[0] == "qk1"
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)

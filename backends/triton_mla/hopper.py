@@ -49,6 +49,7 @@ def _mla_hopper_kernel(
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, QUERY_FP8: gl.constexpr = False,
+    PREFETCH_TILES: gl.constexpr = 1,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -119,6 +120,6 @@ def _mla_hopper_kernel(
         _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
     elif QK1:
         _run_qk1(q_lat, q_rope, q_scales, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS,
-                 LOAD_REGS, QUERY_FP8)
+                 LOAD_REGS, QUERY_FP8, PREFETCH_TILES)
     else:
         _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

@@ -148,16 +148,26 @@ def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
 
 
 @gluon.jit
-def _load_fp8_bytes(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
+def _load_fp8_bytes(src: KvSource, ring: Ring, PREFETCH: gl.constexpr, PREFETCH_TILES: gl.constexpr = 1):
     """The FP8 loader for the e4m3 query: no cast. A tile's e4m3 bytes go into the slot as they are (the score
     wgmma's B operand) and its value columns a second time into `ring.v_t`, transposed. A thread holds 4 tokens x 16
     columns of each 128-column chunk, so its transposed stores are 4 bytes. The tile's bytes are loaded before the
-    loader waits for the slot; with `PREFETCH` it asks the L2 for the next tile's lines."""
-    layout: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])  # [64 tokens, 128 columns]
+    loader waits for the slot; with `PREFETCH` it asks the L2 for the lines of the tile `PREFETCH_TILES` ahead (with
+    no cast to do, a tile's loads follow the previous tile's at once). Half a warp spans a tile's
+    64 tokens, so each transposed store of a warp fills two 64-byte rows of `v_t` (16 columns apart: two ways of
+    bank conflict; with 4 x 8 threads over 4 tokens x 128 columns it was eight, and the loader was the bottleneck)."""
+    layout: gl.constexpr = gl.BlockedLayout([4, 16], [16, 2], [1, LOAD_WARPS], [1, 0])  # [64 tokens, 128 columns]
     rope_layout: gl.constexpr = gl.BlockedLayout([2, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])  # [64 tokens, 64 columns]
     BLOCK_N: gl.constexpr = src.BLOCK_N
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
     rope_cols = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
+    if PREFETCH:
+        for i in gl.static_range(1, PREFETCH_TILES):
+            if i < src.n_tiles:
+                nrow, nok = _tile_rows(src.start + i * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
+                                       src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE,
+                                       src.SPARSE)
+                _prefetch_rows(nrow, nok, src.kv_ptr)
     for t in range(src.n_tiles):
         n0 = src.start + t * BLOCK_N
         row, ok = _tile_rows(n0, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr, src.stride_kvp,
@@ -173,8 +183,8 @@ def _load_fp8_bytes(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
         x3 = gl.load(ptrs + 384, mask=mask, other=0.0)
         xr = gl.load(rope_row[:, None] + rope_cols[None, :], mask=rope_ok[:, None], other=0.0)
         if PREFETCH:
-            if t + 1 < src.n_tiles:
-                nrow, nok = _tile_rows(n0 + BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
+            if t + PREFETCH_TILES < src.n_tiles:
+                nrow, nok = _tile_rows(n0 + PREFETCH_TILES * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
                                        src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
                 _prefetch_rows(nrow, nok, src.kv_ptr)
         slot = t % ring.STAGES
@@ -196,7 +206,8 @@ def _load_fp8_bytes(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
 
 @gluon.jit
 def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False, BYTES: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False, BYTES: gl.constexpr = False,
+                    PREFETCH_TILES: gl.constexpr = 1):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -211,7 +222,7 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
     """
     if BYTES:
         gl.static_assert(src.KV_FP8 and not src.DS_MLA and FIRST == 0 and STRIDE == 1, "BYTES: one FP8 loader")
-        _load_fp8_bytes(src, ring, PREFETCH)
+        _load_fp8_bytes(src, ring, PREFETCH, PREFETCH_TILES)
     elif src.DS_MLA:
         _load_ds_mla(src, ring, FIRST, STRIDE, PREFETCH)
     elif src.KV_FP8 and AHEAD:

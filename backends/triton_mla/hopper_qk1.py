@@ -14,8 +14,8 @@ columns in registers as the score wgmma's A operand, so it reads fewer query byt
 
 With `QUERY_FP8` (an FP8 cache; `LaunchParams.query_fp8`) both products run on e4m3 wgmma: the query is in e4m3, each
 row with its own scale (`hopper_common._store_query_e4m3`, folded into the row's score scale), the slots hold the
-cache's bytes as they are, p is rounded to e4m3 (below 2^8 under the lazy rescale, inside e4m3's 448) and `p @ v`
-reads the value columns from the slot's transposed copy (`Ring.v_t`).
+cache's bytes as they are, p is rounded to e4m3 (`_p_offset`: against the exact running max, no lazy rescale) and
+`p @ v` reads the value columns from the slot's transposed copy (`Ring.v_t`).
 """
 
 # No `from __future__ import annotations`: the aggregates check their fields against real annotation types.
@@ -32,6 +32,7 @@ from mla_tune.backends.triton_mla.hopper_common import (
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition
 
 LAZY_MAX_LOG2 = gl.constexpr(8.0)  # p stays below 2^8, well inside fp16/bf16 range
+E4M3_P_LOG2 = 8.0  # e4m3 p at most 2^8, inside e4m3's 448
 # Triton 3.9 made shared_memory_descriptor._reinterpret public as reinterpret
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
@@ -110,6 +111,13 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
             return rope, rope
 
 
+@gluon.constexpr_function
+def _p_offset(QUERY_FP8):
+    """log2 of the factor p carries: e4m3 p is taken against the exact running max and times 2^E4M3_P_LOG2, so p
+    lies in (0, 2^8] and the values e4m3 flushes to zero are below 2^-17 of the largest (against 2^-9 at 1)."""
+    return gl.constexpr(E4M3_P_LOG2 if QUERY_FP8 else 0.0)
+
+
 @gluon.jit
 def _p_slot(ring: Ring, slot, dtype: gl.constexpr, BLOCK_N: gl.constexpr, QUERY_FP8: gl.constexpr):
     """Where p goes: slot `slot`'s rope columns (read only by its own finished score MMAs) as `[ROWS, BLOCK_N]` of
@@ -143,7 +151,6 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     slot = t % ring.STAGES
     kl = ring.k_lat.index(slot)
     p_dtype: gl.constexpr = gl.float8e4nv if QUERY_FP8 else kl.dtype
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if QUERY_FP8 else 2)
     pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
                               gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
     # One query token sees the whole request, which `ok` already checks: its mask is a column bias, computed while
@@ -158,11 +165,12 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
         visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
         scores = gl.where(visible, scores * score_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, 1))
-    m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)  # lazy: keep the reference unless it grew enough
+    if not QUERY_FP8:
+        m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)  # lazy: keep the reference unless it grew enough
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     # 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
     alpha = gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
-    p = gl.exp2(scores - m_safe[:, None])
+    p = gl.exp2(scores - (m_safe - _p_offset(QUERY_FP8))[:, None])
     p = _round_pairs(p, p_dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     _p_slot(ring, slot, p_dtype, BLOCK_N, QUERY_FP8).store(p)
@@ -170,7 +178,13 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     fence_async_shared()
     mbarrier.arrive(exch.p_bars.index(slot))
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-    acc = warpgroup_mma(gl.convert_layout(p, p_layout), _value_cols(ring, slot, 0, QUERY_FP8), acc, is_async=True)
+    if QUERY_FP8:
+        # e4m3 p from the slot, as warpgroup 1 reads it: converted to the A-operand layout in registers, Triton 3.6
+        # computed the softmax in that layout and got rows 0-7 of every 16 wrong (tests/backends, GPU)
+        a = _p_slot(ring, slot, p_dtype, BLOCK_N, QUERY_FP8)
+    else:
+        a = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = warpgroup_mma(a, _value_cols(ring, slot, 0, QUERY_FP8), acc, is_async=True)
     return acc, m_new, l_i
 
 
@@ -206,7 +220,7 @@ def _qk1_scorer(q_lat, q_rope, q_scales, ring: Ring, exch: Qk1Exchange, prog: Pr
         mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
     mbarrier.arrive(exch.l_bar)
-    _epilogue(acc, m_i, l_i, prog, o_layout, rows_s, 0, 256, True)
+    _epilogue(acc, m_i - _p_offset(QUERY_FP8), l_i, prog, o_layout, rows_s, 0, 256, True)
 
 
 @gluon.jit
@@ -237,7 +251,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, QUERY_FP8: gl.cons
 @gluon.jit
 def _run_qk1(q_lat, q_rope, q_scales, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, QUERY_FP8: gl.constexpr):
+             LOAD_REGS: gl.constexpr, QUERY_FP8: gl.constexpr, PREFETCH_TILES: gl.constexpr = 1):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread); `q_scales`: the e4m3 query's row scales."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -251,5 +265,5 @@ def _run_qk1(q_lat, q_rope, q_scales, ring: Ring, src: KvSource, prog: Program, 
     gl.warp_specialize([
         (_qk1_scorer, (q_lat, q_rope, q_scales, ring, exch, prog, QUERY_REG_COLS, QUERY_FP8)),
         (_qk1_second, (ring, exch, prog, QUERY_FP8)),
-        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, QUERY_FP8))],
+        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, QUERY_FP8, PREFETCH_TILES))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
