@@ -19,7 +19,6 @@ class BackendName(str, enum.Enum):
 
     MLA_TUNE_TRITON = "MLA_TUNE_TRITON"
     MLA_TUNE_TRITON_SPARSE = "MLA_TUNE_TRITON_SPARSE"
-    MLA_TUNE_TRITON_FP8Q = "MLA_TUNE_TRITON_FP8Q"
     TRITON_MLA = "TRITON_MLA"
     FLASHINFER_MLA = "FLASHINFER_MLA"
     FLASHINFER_MLA_SPARSE = "FLASHINFER_MLA_SPARSE"
@@ -198,13 +197,6 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         adapter="mla_tune.backends.triton_mla.adapter:TritonMLASparse",
         vllm_plugin_name="MLA_TUNE_TRITON_SPARSE",
         summary="mla-tune's Triton sparse (top-k) decode kernel"),
-    BackendInfo(
-        "MLA_TUNE_TRITON_FP8Q",
-        # e4m3 wgmma: SM90 only, an e4m3 cache with one scale, the query rounded to e4m3 (so gated as FlashMLA is).
-        Capabilities(cc_majors=frozenset({9}), kv_cache_dtypes=frozenset({"fp8_e4m3"}), fp8_quantizes_query=True,
-                     max_heads=128, max_q_len=4, page_size_multiple=16, required_modules=("triton", "torch")),
-        adapter="mla_tune.backends.triton_mla.adapter:TritonMLAFp8Query",
-        summary="mla-tune's Triton decode kernel on e4m3 wgmma (query and p rounded to e4m3), SM90, FP8 cache"),
     BackendInfo(
         "TORCH_REFERENCE",
         Capabilities(kv_cache_dtypes=_WITH_FP8 | {"fp8_ds_mla"}, dense=True, sparse=True, kv_lora_ranks=None,

@@ -1,11 +1,10 @@
 """Summarise `bench/kernels.py` result files against vLLM's Hopper kernels: one table per GPU.
 
-For each kind of problem (dense or sparse, bf16 or FP8 cache), each of our backends that ran and each competitor
-that ran beside it (FlashMLA, FlashAttention-3's MLA path), it gives the competitor's time over ours on every shape
-both passed the correctness gate: geometric mean, range, and the shapes where ours is slower. Where more than one of
-ours ran (MLA_TUNE_TRITON and MLA_TUNE_TRITON_FP8Q on an FP8 cache), "fastest of ours" is the faster of them at each
-shape, what a tune would pick. Issue goals: never slower, geometric mean at least 1.15. It also gives our kernels'
-fraction of the roofline (kernels.py's "frac") where the issue sets a bandwidth goal: batch >= 64 and kv_len >= 4096.
+For each kind of problem (dense or sparse, bf16 or FP8 cache) and each competitor that ran beside our kernel
+(FlashMLA, FlashAttention-3's MLA path), it gives the competitor's time over ours on every shape both passed
+the correctness gate: geometric mean, range, and the shapes where ours is slower. Issue goals: never slower,
+geometric mean at least 1.15. It also gives our kernel's fraction of the roofline (kernels.py's "frac") where
+the issue sets a bandwidth goal: batch >= 64 and kv_len >= 4096.
 
 CPU only; reads the text files kernels.py writes.
 
@@ -22,8 +21,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
-OURS = {False: ("MLA_TUNE_TRITON", "MLA_TUNE_TRITON_FP8Q"), True: ("MLA_TUNE_TRITON_SPARSE",)}
-FASTEST = "fastest of ours"
+OURS = {False: "MLA_TUNE_TRITON", True: "MLA_TUNE_TRITON_SPARSE"}
 COMPETITORS = {False: ("FLASHMLA", "FLASH_ATTN_MLA"), True: ("FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE")}
 GOAL_GEOMEAN = 1.15
 BANDWIDTH_MIN_BATCH = 64
@@ -64,21 +62,19 @@ def parse_rows(lines) -> list[Row]:
     return rows
 
 
-def ratios(rows: list[Row]) -> dict[tuple[str, str, str], dict[tuple, float]]:
-    """{(kind, ours, competitor): {shape: competitor time / our time}} over shapes where both are correct and timed;
-    `ours` one of our backends, or FASTEST where more than one of them ran."""
+def ratios(rows: list[Row]) -> dict[tuple[str, str], dict[tuple, float]]:
+    """{(kind, competitor): {shape: competitor time / our time}} over shapes where both are correct and timed."""
     by_shape = defaultdict(dict)
     for r in rows:
         by_shape[r.shape][r.backend] = r
     out = defaultdict(dict)
     for shape, backends in by_shape.items():
-        ours = {name: backends[name] for name in OURS[shape[4]] if name in backends}
-        if len(ours) > 1:
-            ours[FASTEST] = min(ours.values(), key=lambda r: r.median_us)
-        for label, row in ours.items():
-            for name in COMPETITORS[shape[4]]:
-                if name in backends:
-                    out[(row.kind, label, name)][shape] = backends[name].median_us / row.median_us
+        ours = backends.get(OURS[shape[4]])
+        if ours is None:
+            continue
+        for name in COMPETITORS[shape[4]]:
+            if name in backends:
+                out[(ours.kind, name)][shape] = backends[name].median_us / ours.median_us
     return out
 
 
@@ -88,32 +84,31 @@ def _label(shape: tuple) -> str:
 
 
 def ratio_table(rows: list[Row]) -> list[str]:
-    """Markdown: one line per (kind, ours, competitor) with the geometric mean, range and the shapes ours loses."""
-    lines = ["| kind | ours | competitor | shapes | competitor / ours, geomean (range) | goal "
-             "| shapes where ours is slower |", "|---|---|---|---|---|---|---|"]
-    for (kind, ours, name), per_shape in sorted(ratios(rows).items()):
+    """Markdown: one line per (kind, competitor) with the geometric mean, range and the shapes ours loses."""
+    lines = ["| kind | competitor | shapes | competitor / ours, geomean (range) | goal | shapes where ours is slower |",
+             "|---|---|---|---|---|---|"]
+    for (kind, name), per_shape in sorted(ratios(rows).items()):
         values = list(per_shape.values())
         geomean = math.exp(sum(math.log(v) for v in values) / len(values))
         losses = sorted((v, s) for s, v in per_shape.items() if v < 1.0)
         met = "met" if geomean >= GOAL_GEOMEAN and not losses else "missed"
         lost = ", ".join(f"{_label(s)} {v:.2f}" for v, s in losses) or "none"
-        lines.append(f"| {kind} | {ours} | {name} | {len(values)} | {geomean:.2f} ({min(values):.2f}-{max(values):.2f}) "
+        lines.append(f"| {kind} | {name} | {len(values)} | {geomean:.2f} ({min(values):.2f}-{max(values):.2f}) "
                      f"| {met} | {lost} |")
     return lines
 
 
 def bandwidth_table(rows: list[Row]) -> list[str]:
-    """Markdown: our dense kernels' roofline fraction at batch >= 64, kv_len >= 4096, by backend, cache dtype and
-    heads."""
+    """Markdown: our dense kernel's roofline fraction at batch >= 64, kv_len >= 4096, by cache dtype and heads."""
     fracs = defaultdict(list)
     for r in rows:
-        if (r.backend in OURS[False] and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
+        if (r.backend == OURS[False] and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
                 and r.kv_len >= BANDWIDTH_MIN_KV_LEN):
-            fracs[(r.backend, r.kv, r.heads)].append(r.frac)
-    lines = [f"| dense, batch >= {BANDWIDTH_MIN_BATCH}, kv_len >= {BANDWIDTH_MIN_KV_LEN} | ours | heads | shapes "
-             f"| fraction of the roofline, median (min-max) |", "|---|---|---|---|---|"]
-    for (backend, kv, heads), values in sorted(fracs.items(), key=lambda item: (item[0][1], item[0][0], item[0][2])):
-        lines.append(f"| {kv} | {backend} | {heads} | {len(values)} | {statistics.median(values):.2f} "
+            fracs[(r.kv, r.heads)].append(r.frac)
+    lines = [f"| dense, batch >= {BANDWIDTH_MIN_BATCH}, kv_len >= {BANDWIDTH_MIN_KV_LEN} | heads | shapes "
+             f"| ours: fraction of the roofline, median (min-max) |", "|---|---|---|---|"]
+    for (kv, heads), values in sorted(fracs.items()):
+        lines.append(f"| {kv} | {heads} | {len(values)} | {statistics.median(values):.2f} "
                      f"({min(values):.2f}-{max(values):.2f}) |")
     return lines
 

@@ -36,20 +36,19 @@ def unit_lengths(problem: Problem, seq_lens: list[int]) -> list[int]:
     return [problem.topk] * len(seq_lens) if problem.sparse else list(seq_lens)
 
 
-def launch_facts(problem: Problem, *, lengths: list[int], cc_major: int | None, query_fp8: bool = False) -> dict:
-    """What the dispatch chooses a tile from (`dispatch.default_tile`, `candidate_tiles`), for `unit_lengths`
-    (`query_fp8`: MLA_TUNE_TRITON_FP8Q's e4m3 query)."""
+def launch_facts(problem: Problem, *, lengths: list[int], cc_major: int | None) -> dict:
+    """What the dispatch chooses a tile from (`dispatch.default_tile`, `candidate_tiles`), for `unit_lengths`."""
     return dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=len(lengths), max_items=max(max(lengths), 1),
                 sparse=problem.sparse, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
-                ds_mla=reads_ds_mla(problem), cc_major=cc_major, query_fp8=query_fp8)
+                ds_mla=reads_ds_mla(problem), cc_major=cc_major)
 
 
-def candidate_launches(problem: Problem, *, lengths: list[int], num_sms: int, cc_major: int | None,
-                       query_fp8: bool = False) -> list[tuple[Tile, LaunchParams]]:
+def candidate_launches(problem: Problem, *, lengths: list[int], num_sms: int,
+                       cc_major: int | None) -> list[tuple[Tile, LaunchParams]]:
     """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with its
     parameters for `unit_lengths`, without tiles that come to the same parameters. The pre-build lists its builds
     from the same function, before any inputs exist."""
-    facts = launch_facts(problem, lengths=lengths, cc_major=cc_major, query_fp8=query_fp8)
+    facts = launch_facts(problem, lengths=lengths, cc_major=cc_major)
     seen, out = set(), []
     for tile in candidate_tiles(**facts):
         params = params_for(tile, **facts, num_sms=num_sms, lengths=lengths)
@@ -103,7 +102,6 @@ class TritonMLA:
     name: ClassVar[str] = "MLA_TUNE_TRITON"
     param_space: ClassVar[dict] = PARAM_SPACE
     sparse: ClassVar[bool] = False
-    query_fp8: ClassVar[bool] = False
 
     def __init__(self, params: LaunchParams | None = None, tile: Tile | None = None):
         self.params = params
@@ -119,15 +117,14 @@ class TritonMLA:
         if self.params is not None:
             return self.params
         device, lengths = inputs.q.device, self._lengths(problem, inputs)
-        return params_for(self.tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device),
-                                                    query_fp8=self.query_fp8),
+        return params_for(self.tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device)),
                           num_sms=sm_count(device), lengths=lengths)
 
     def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
         """`candidate_launches` for these inputs on their GPU."""
         device = inputs.q.device
         return candidate_launches(problem, lengths=self._lengths(problem, inputs), num_sms=sm_count(device),
-                                  cc_major=cc_major(device), query_fp8=self.query_fp8)
+                                  cc_major=cc_major(device))
 
     def vllm_launch(self, *, max_seq_len: int | None):
         """The launch our vLLM backend makes of this kernel (`mla_tune.vllm_backends.tuned_launch`), an adapter the
@@ -153,13 +150,3 @@ class TritonMLASparse(TritonMLA):
 
     name: ClassVar[str] = "MLA_TUNE_TRITON_SPARSE"
     sparse: ClassVar[bool] = True
-
-
-class TritonMLAFp8Query(TritonMLA):
-    """The same kernel on e4m3 wgmma for an FP8 cache (SM90, dense): the query rounded to e4m3 with a scale per row
-    and p rounded to e4m3, as FlashMLA does, so the gate checks it at the FP8-query threshold. A name of its own,
-    so an operator can leave it out of a tuning run."""
-
-    name: ClassVar[str] = "MLA_TUNE_TRITON_FP8Q"
-    query_fp8: ClassVar[bool] = True
-    vllm_launch = None  # no backend of our vLLM plugin launches it

@@ -72,7 +72,7 @@ HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
 WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE))
 # 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers; `setmaxnreg` then rebalances them.
 HOPPER_MAXNREG = 168
-HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_bytes": 120}
+HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120}
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
@@ -107,8 +107,6 @@ class LaunchParams:
         opaque_v_cast: FP8 V reload cast by an inline-asm `cvt`, so V reaches the MMA through `ldmatrix.trans`.
         warp_specialized: run the Gluon Hopper kernel (`hopper.py`, SM90 only) in the form its shape names
             (`WARP_SPECIALIZED_SHAPES`); the tl-only fields must stay at their defaults.
-        query_fp8: an FP8 cache multiplied on e4m3 wgmma, the query rounded to e4m3 with a scale per row (the qk1
-            form only; backend MLA_TUNE_TRITON_FP8Q).
     """
 
     block_h: int = 64
@@ -126,7 +124,6 @@ class LaunchParams:
     opaque_v_cast: bool = False
     warp_specialized: bool = False
     split_per_request: bool = False
-    query_fp8: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
@@ -142,9 +139,6 @@ class LaunchParams:
                 raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
                                  f"{' or '.join(map(str, WARP_SPECIALIZED_SHAPES))} only (227 KiB of shared memory), "
                                  f"got {shape}")
-        if self.query_fp8 and not (self.warp_specialized and self.kernel_form == "qk1"):
-            raise ValueError(f"query_fp8 runs on the Hopper kernel's qk1 form only "
-                             f"(block_h, block_n, num_warps, num_stages) = {HOPPER_QK1_SHAPE.key()}")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -152,7 +146,7 @@ class LaunchParams:
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
                 f"{'o' if self.opaque_v_cast else ''}{'W' if self.warp_specialized else ''}"
-                f"{'Q' if self.query_fp8 else ''}x{self.num_splits}{'L' if self.split_per_request else ''}")
+                f"x{self.num_splits}{'L' if self.split_per_request else ''}")
 
     @property
     def kernel_form(self) -> str:
@@ -189,7 +183,6 @@ class Tile:
     split_scores: bool = False
     opaque_v_cast: bool = False
     warp_specialized: bool = False
-    query_fp8: bool = False
 
     def replace(self, **changes) -> Tile:
         return dataclasses.replace(self, **changes)

@@ -71,7 +71,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                seq_lens: torch.Tensor, *, sm_scale: float, kv_lora_rank: int = 512,
                kv_scale=None, topk_indices: torch.Tensor | None = None,
                params: LaunchParams | None = None,
-               tile: Tile | Mapping | None = None, query_fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               tile: Tile | Mapping | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode over a paged latent KV cache (dense or top-k sparse).
 
     Args:
@@ -90,9 +90,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             length on the device, so no host sync and one captured CUDA graph suits any lengths.
         tile: a `Tile` or its fields as a dict, e.g. the tuner's choice for this device from
             `mla_tune.kernel_tile(...)`; ignored when `params` is given.
-        query_fp8: with a float8_e4m3fn cache on SM90, multiply on e4m3 wgmma: the query rounded to e4m3 with a
-            scale per row, p rounded to e4m3 (as FlashMLA does; MLA_TUNE_TRITON_FP8Q); ignored when `params` or
-            `tile` is given (their `query_fp8` field says).
 
     Returns:
         `out` `[..., heads, 512]` in q's dtype and `lse` fp32 `[..., heads]` (natural log).
@@ -115,7 +112,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         params = params_for(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=sm_count(q.device), sparse=sparse,
                             kv_fp8=ds_mla or kv_cache.dtype == torch.float8_e4m3fn, cc_major=cc_major(q.device),
-                            ds_mla=ds_mla, query_fp8=query_fp8 and tile is None)
+                            ds_mla=ds_mla)
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
     workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,

@@ -100,8 +100,6 @@ HOPPER_TOKEN_SPLIT_TILE = hopper_tile(HOPPER_TOKEN_SPLIT_SHAPE)
 HOPPER_NARROW_TILES = {rows: hopper_tile(shape) for rows, shape in HOPPER_NARROW_SHAPES.items()}
 HOPPER_TILES = {64: HOPPER_TOKEN_SPLIT_TILE, **HOPPER_NARROW_TILES}  # by rows bucket
 HOPPER_QK1_TILE = hopper_tile(HOPPER_QK1_SHAPE)
-# MLA_TUNE_TRITON_FP8Q's one tile: the qk1 form with the e4m3 query, at every head count (rows padded to 64).
-QUERY_FP8_TILE = HOPPER_QK1_TILE.replace(query_fp8=True)
 # Where each Hopper form replaces the tl tile on SM90, tried in this order (narrow, qk1, token-split).
 HOPPER_NARROW_MIN_BATCH = {
     ("fp8", 16): MinBatch(dense=1, sparse=1), ("fp8", 32): MinBatch(dense=1, sparse=1),
@@ -136,8 +134,6 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
-# How many tiles ahead the e4m3 query's loader asks the L2 for a tile's lines.
-QUERY_FP8_PREFETCH_TILES = 2
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -176,8 +172,7 @@ def _hopper_tile(kind: str, bucket: int, *, batch: int, sparse: bool) -> Tile | 
 
 
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
-                 kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False,
-                 query_fp8: bool = False) -> Tile:
+                 kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> Tile:
     """The heuristic's tile: on SM90 the first Hopper form whose table takes the shape (unless the requests are
     short), otherwise the tl kernel's tile for the rows bucket.
 
@@ -185,13 +180,7 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
         cc_major: the GPU's compute-capability major (None: the CPU interpreter).
         ds_mla: the cache is vLLM's fp8_ds_mla (the FP8 kind's tiles).
-        query_fp8: the e4m3 query (`QUERY_FP8_TILE`); ValueError where it cannot run.
     """
-    if query_fp8:
-        reasons = query_fp8_reasons(sparse=sparse, kv_fp8=kv_fp8, ds_mla=ds_mla, cc_major=cc_major)
-        if reasons:
-            raise ValueError(f"query_fp8: {'; '.join(reasons)}")
-        return QUERY_FP8_TILE
     kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
@@ -199,18 +188,6 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
         if tile is not None:
             return tile
     return table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
-
-
-def query_fp8_reasons(*, sparse: bool, kv_fp8: bool, ds_mla: bool, cc_major: int | None) -> list[str]:
-    """Why the e4m3-query launch cannot run a problem (empty: it can)."""
-    reasons = []
-    if cc_major not in HOPPER_CC_MAJORS:
-        reasons.append(f"it runs on SM90 (e4m3 wgmma) only, not on compute capability {cc_major}.x")
-    if not kv_fp8 or ds_mla:
-        reasons.append("it reads a float8_e4m3fn cache with one scale (not 16-bit, not fp8_ds_mla rows)")
-    if sparse:
-        reasons.append("it runs dense decode only")
-    return reasons
 
 
 def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: int | None) -> Tile:
@@ -224,18 +201,16 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
-                    kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False,
-                    query_fp8: bool = False) -> list[Tile]:
+                    kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
     at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows), then the default with its
-    minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES. The e4m3
-    query has one form: its tile and the scaled splits."""
+    minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                           kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, query_fp8=query_fp8)
+                           kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if cc_major in HOPPER_CC_MAJORS and not query_fp8:
+    if cc_major in HOPPER_CC_MAJORS:
         if default.warp_specialized:
             family.append(table_tile(_kind(kv_fp8 or ds_mla), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, wide), wide})]
@@ -271,10 +246,6 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
             loader ahead reads it as.
     """
     kv_fp8 = kv_fp8 or ds_mla
-    if params.query_fp8:  # one loader (uncast bytes, L2 prefetch), the query stored before the partitions
-        return dict(STAGES=params.num_stages, KV_FP8=True, N_ROWS=params.block_h, LOAD_REGS=HOPPER_LOAD_REGS["fp8_bytes"],
-                    PARTIAL_EVICT_LAST=splits > 1, QK1=True, MMA_REGS=QK1_WORKER_REGS, L2_PREFETCH=True,
-                    CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, QUERY_FP8=True, PREFETCH_TILES=QUERY_FP8_PREFETCH_TILES)
     form = (params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense")
     qk1 = form[0] == "qk1"
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)

@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, _store_query_e4m3, hopper_smem_bytes)
+    LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, hopper_smem_bytes)
 from mla_tune.backends.triton_mla.hopper_narrow import _run_narrow
 from mla_tune.backends.triton_mla.hopper_qk1 import _run_qk1
 from mla_tune.backends.triton_mla.hopper_token_split import _run_token_split
@@ -48,8 +48,7 @@ def _mla_hopper_kernel(
     MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False, QUERY_IN_CONSUMER: gl.constexpr = False,
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
-    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, QUERY_FP8: gl.constexpr = False,
-    PREFETCH_TILES: gl.constexpr = 1,
+    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -81,30 +80,17 @@ def _mla_hopper_kernel(
                    stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN, SPARSE, N_ROWS, BLOCK_N, STAGES,
                    KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, PARTIAL_EVICT_LAST)
 
-    if QUERY_FP8:  # e4m3 query, slots of e4m3 bytes and their value columns transposed (`hopper_qk1`)
-        gl.static_assert(QK1 and KV_FP8 and not DS_MLA, "QUERY_FP8: the qk1 form on an FP8 cache")
-        wide: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        narrow: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        q_lat = gl.allocate_shared_memory(gl.float8e4nv, [N_ROWS, 512], wide)
-        q_rope = gl.allocate_shared_memory(gl.float8e4nv, [N_ROWS, 64], narrow)
-        q_scales = gl.allocate_shared_memory(gl.float32, [N_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        _store_query_e4m3(prog, q_lat, q_rope, q_scales, gl.num_warps())
-        k_lat = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 512], wide)
-        k_rope = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 64], narrow)
-        v_t = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 512, BLOCK_N], narrow)
-    else:
-        # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before
-        # the partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.
-        mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
-        q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
-        q_scales = q_rope  # read only with QUERY_FP8
-        if not QUERY_IN_CONSUMER:
-            _store_query(prog, q_lat, q_rope, gl.num_warps())
-        k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
-        k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
-        v_t = k_lat
+    # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
+    # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.
+    mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
+    q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
+    if not QUERY_IN_CONSUMER:
+        _store_query(prog, q_lat, q_rope, gl.num_warps())
+
+    k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
+    k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -112,14 +98,13 @@ def _mla_hopper_kernel(
         mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
                       else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
-    ring = Ring(k_lat, k_rope, full_bars, empty_bars, v_t, STAGES)
+    ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,
                    SPARSE, KV_FP8, DS_MLA)
     if N_ROWS < ROWS:
         _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
     elif QK1:
-        _run_qk1(q_lat, q_rope, q_scales, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS,
-                 LOAD_REGS, QUERY_FP8, PREFETCH_TILES)
+        _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
     else:
         _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

@@ -15,7 +15,6 @@ from triton.language.core import base_value
 
 ROWS = gl.constexpr(64)        # query rows per program in the 64-row forms: one wgmma M block
 LOAD_WARPS = gl.constexpr(4)   # a loader partition: one warpgroup
-E4M3_MAX = gl.constexpr(448.0)  # the largest finite e4m3 value
 
 
 @gluon.constexpr_function
@@ -130,36 +129,28 @@ class KvSource:
 @aggregate
 class Ring:
     """The KV slots in shared memory (latent and rope parts) and their barriers: `full_bars[s]` when slot `s` holds
-    a tile, `empty_bars[s]` when its readers are done with it. `v_t`: with the e4m3 query, each slot's value
-    columns again, transposed (`[STAGES, 512, BLOCK_N]`, tokens contiguous: 8-bit wgmma reads only K-major
-    operands); `k_lat` where no form reads it."""
+    a tile, `empty_bars[s]` when its readers are done with it."""
 
     k_lat: base_value
     k_rope: base_value
     full_bars: base_value
     empty_bars: base_value
-    v_t: base_value
     STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k_lat, k_rope, full_bars, empty_bars, v_t, STAGES):
+    def __init__(self, k_lat, k_rope, full_bars, empty_bars, STAGES):
         self.k_lat = k_lat
         self.k_rope = k_rope
         self.full_bars = full_bars
         self.empty_bars = empty_bars
-        self.v_t = v_t
         self.STAGES = gl.constexpr(STAGES)
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False,
-                      ds_mla: bool = False, query_fp8: bool = False) -> int:
+                      ds_mla: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
-    the rescale factors a slot and the row sums (p itself goes over the slot's rope columns). With the e4m3 query
-    (qk1 form) query and slots hold bytes, each slot its value columns a second time transposed, and the query's
-    row scales."""
-    if query_fp8:
-        return rows * 576 + stages * block_n * (576 + 512) + (stages + 2) * rows * 4
+    the rescale factors a slot and the row sums (p itself goes over the slot's rope columns)."""
     narrow = rows < ROWS.value
     return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
             + (block_n * 576 if narrow and kv_fp8 and not ds_mla else 0) + ((stages + 1) * rows * 4 if qk1 else 0))
@@ -184,14 +175,14 @@ def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: g
 
 
 @gluon.jit
-def _load_query(prog: Program, col0, layout: gl.constexpr, N_COLS: gl.constexpr, AS_STORED: gl.constexpr = False):
+def _load_query(prog: Program, col0, layout: gl.constexpr, N_COLS: gl.constexpr):
     """Columns `col0`..`col0 + N_COLS` of the program's query rows in `layout` (0 for rows past the heads; FP8:
-    scaled by `q_scale`, then rounded to fp16, unless `AS_STORED`)."""
+    scaled by `q_scale`, then rounded to fp16)."""
     qi, h, row_ok = _rows(prog.pid_m, prog.num_heads, gl.SliceLayout(1, layout), prog.Q_LEN, prog.SPARSE, prog.N_ROWS)
     q_row = prog.q_ptr + prog.b.to(gl.int64) * prog.stride_qb + qi * prog.stride_qt + h * prog.stride_qh
     x = gl.load(q_row[:, None] + col0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, layout))[None, :],
                 mask=row_ok[:, None], other=0.0)
-    if prog.KV_FP8 and not AS_STORED:
+    if prog.KV_FP8:
         x = (x.to(gl.float32) * prog.q_scale).to(gl.float16)
     return x
 
@@ -205,26 +196,6 @@ def _store_query(prog: Program, q_lat, q_rope, WARPS: gl.constexpr):
     rope = _load_query(prog, 512, layout, 64)
     q_rope.store(rope)
     q_lat.store(lat)
-    fence_async_shared()
-
-
-@gluon.jit
-def _store_query_e4m3(prog: Program, q_lat, q_rope, q_scales, WARPS: gl.constexpr):
-    """The query's rows in e4m3 into `q_lat` / `q_rope`, each row divided by its own scale (its largest magnitude
-    over E4M3_MAX, 1 for a row of zeros; into `q_scales`), by `WARPS` warps: a pass for the row maxima, then one
-    that rounds and stores (its loads hit the cache), 128 latent columns at a time (a whole 128-byte swizzle row of
-    `q_lat`). Fenced for wgmma."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-    amax = gl.max(gl.abs(_load_query(prog, 512, layout, 64, True).to(gl.float32)), 1)
-    for c in gl.static_range(4):
-        amax = gl.maximum(amax, gl.max(gl.abs(_load_query(prog, c * 128, layout, 128, True).to(gl.float32)), 1))
-    scale = gl.where(amax > 0.0, amax / E4M3_MAX, 1.0)
-    inv = (1.0 / scale)[:, None]
-    q_rope.store((_load_query(prog, 512, layout, 64, True).to(gl.float32) * inv).to(gl.float8e4nv))
-    for c in gl.static_range(4):
-        q_lat.slice(c * 128, 128, dim=1).store(
-            (_load_query(prog, c * 128, layout, 128, True).to(gl.float32) * inv).to(gl.float8e4nv))
-    q_scales.store(scale)
     fence_async_shared()
 
 

@@ -148,66 +148,8 @@ def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
 
 
 @gluon.jit
-def _load_fp8_bytes(src: KvSource, ring: Ring, PREFETCH: gl.constexpr, PREFETCH_TILES: gl.constexpr = 1):
-    """The FP8 loader for the e4m3 query: no cast. A tile's e4m3 bytes go into the slot as they are (the score
-    wgmma's B operand) and its value columns a second time into `ring.v_t`, transposed. A thread holds 4 tokens x 16
-    columns of each 128-column chunk, so its transposed stores are 4 bytes. The tile's bytes are loaded before the
-    loader waits for the slot; with `PREFETCH` it asks the L2 for the lines of the tile `PREFETCH_TILES` ahead (with
-    no cast to do, a tile's loads follow the previous tile's at once). Half a warp spans a tile's
-    64 tokens, so each transposed store of a warp fills two 64-byte rows of `v_t` (16 columns apart: two ways of
-    bank conflict; with 4 x 8 threads over 4 tokens x 128 columns it was eight, and the loader was the bottleneck)."""
-    layout: gl.constexpr = gl.BlockedLayout([4, 16], [16, 2], [1, LOAD_WARPS], [1, 0])  # [64 tokens, 128 columns]
-    rope_layout: gl.constexpr = gl.BlockedLayout([2, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])  # [64 tokens, 64 columns]
-    BLOCK_N: gl.constexpr = src.BLOCK_N
-    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-    rope_cols = 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
-    if PREFETCH:
-        for i in gl.static_range(1, PREFETCH_TILES):
-            if i < src.n_tiles:
-                nrow, nok = _tile_rows(src.start + i * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
-                                       src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE,
-                                       src.SPARSE)
-                _prefetch_rows(nrow, nok, src.kv_ptr)
-    for t in range(src.n_tiles):
-        n0 = src.start + t * BLOCK_N
-        row, ok = _tile_rows(n0, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr, src.stride_kvp,
-                             src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
-        rope_row, rope_ok = _tile_rows(n0, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
-                                       src.stride_kvp, src.stride_kvt, rope_layout, BLOCK_N, src.PAGE_SIZE,
-                                       src.SPARSE)
-        ptrs = row[:, None] + cols[None, :]
-        mask = ok[:, None]
-        x0 = gl.load(ptrs, mask=mask, other=0.0)
-        x1 = gl.load(ptrs + 128, mask=mask, other=0.0)
-        x2 = gl.load(ptrs + 256, mask=mask, other=0.0)
-        x3 = gl.load(ptrs + 384, mask=mask, other=0.0)
-        xr = gl.load(rope_row[:, None] + rope_cols[None, :], mask=rope_ok[:, None], other=0.0)
-        if PREFETCH:
-            if t + PREFETCH_TILES < src.n_tiles:
-                nrow, nok = _tile_rows(n0 + PREFETCH_TILES * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
-                                       src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
-                _prefetch_rows(nrow, nok, src.kv_ptr)
-        slot = t % ring.STAGES
-        mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        lat = ring.k_lat.index(slot)
-        v_t = ring.v_t.index(slot)
-        lat.slice(0, 128, dim=1).store(x0)
-        v_t.slice(0, 128, dim=0).permute((1, 0)).store(x0)
-        lat.slice(128, 128, dim=1).store(x1)
-        v_t.slice(128, 128, dim=0).permute((1, 0)).store(x1)
-        lat.slice(256, 128, dim=1).store(x2)
-        v_t.slice(256, 128, dim=0).permute((1, 0)).store(x2)
-        lat.slice(384, 128, dim=1).store(x3)
-        v_t.slice(384, 128, dim=0).permute((1, 0)).store(x3)
-        ring.k_rope.index(slot).store(xr)
-        fence_async_shared()
-        mbarrier.arrive(ring.full_bars.index(slot))
-
-
-@gluon.jit
 def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False, BYTES: gl.constexpr = False,
-                    PREFETCH_TILES: gl.constexpr = 1):
+                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -217,24 +159,15 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
     a barrier between the chunk stores, which would otherwise hold each chunk's load back until the previous chunk is
     stored), then cast to fp16 and stored while the MMA warps work on the other slot. With `PREFETCH` (FP8) it asks
     the L2 for the next tile's lines before it waits for that tile's slot; with `AHEAD` (FP8) it loads the next
-    tile's bytes before the wait instead (`_load_fp8_ahead`). With `BYTES` (the e4m3 query) FP8 tiles are stored
-    uncast (`_load_fp8_bytes`).
+    tile's bytes before the wait instead (`_load_fp8_ahead`).
     """
-    if BYTES:
-        gl.static_assert(src.KV_FP8 and not src.DS_MLA and FIRST == 0 and STRIDE == 1, "BYTES: one FP8 loader")
-        _load_fp8_bytes(src, ring, PREFETCH, PREFETCH_TILES)
-    elif src.DS_MLA:
+    if src.DS_MLA:
         _load_ds_mla(src, ring, FIRST, STRIDE, PREFETCH)
-    elif src.KV_FP8 and AHEAD:
+        return
+    if src.KV_FP8 and AHEAD:
         gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
         _load_fp8_ahead(src, ring, PREFETCH)
-    else:
-        _load_cast(src, ring, FIRST, STRIDE, PREFETCH)
-
-
-@gluon.jit
-def _load_cast(src: KvSource, ring: Ring, FIRST: gl.constexpr, STRIDE: gl.constexpr, PREFETCH: gl.constexpr):
-    """`_load_partition` for 16-bit caches (`cp.async`) and FP8 ones cast in registers once the slot is free."""
+        return
     if src.KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     else:

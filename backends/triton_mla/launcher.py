@@ -58,8 +58,6 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if ds_mla:
         _check_ds_mla(params, kv_cache)
         kv_cache, kv_scale = kv_cache.view(torch.float8_e4m3fn), None  # the e4m3 bytes; scales are read per row
-    if params.query_fp8 and (kv_cache.dtype != torch.float8_e4m3fn or ds_mla or sparse):
-        raise ValueError("query_fp8 runs dense decode over a float8_e4m3fn cache with one scale only")
     kv_cast = kv_cache.dtype != q.dtype
     scale_is_ptr = isinstance(kv_scale, torch.Tensor)
     scale_value = 1.0 if kv_scale is None or scale_is_ptr else float(kv_scale)
@@ -78,9 +76,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
     # FP8 tiles multiplied in fp16 with the bf16 query scaled by Q_FP16_SCALE first: the tl kernel where
     # params.fp16_math says so, the Hopper kernel always (an fp16 query needs no scale).
-    # The e4m3 query takes the query as it is (its own row scales).
-    fp16_math = (kv_cast and q.dtype == torch.bfloat16 and (params.fp16_math or params.warp_specialized)
-                 and not params.query_fp8)
+    fp16_math = kv_cast and q.dtype == torch.bfloat16 and (params.fp16_math or params.warp_specialized)
     # The arguments both stage-1 kernels take, in their order (the Hopper kernel has the tl kernel's signature).
     args = (q, kv_cache, block_table, seq_lens, topk_indices if sparse else seq_lens,
             kv_scale if scale_is_ptr else seq_lens, o_dst, l_dst,

@@ -93,13 +93,12 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
 
 def params_for(tile: Tile | None, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                sparse: bool = False, kv_fp8: bool = False, lengths: list[int] | None = None,
-               cc_major: int | None = None, ds_mla: bool = False, query_fp8: bool = False) -> LaunchParams:
+               cc_major: int | None = None, ds_mla: bool = False) -> LaunchParams:
     """`tile` (None: `dispatch.default_tile`) with its splits for this shape (`lengths`: the per-request lengths
-    (dense) or top-k per request (sparse), when known; `ds_mla`: the cache is vLLM's fp8_ds_mla rows; `query_fp8`:
-    the e4m3 query's tile)."""
+    (dense) or top-k per request (sparse), when known; `ds_mla`: the cache is vLLM's fp8_ds_mla rows)."""
     if tile is None:
         tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, query_fp8=query_fp8)
+                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla)
     return params_from_tile(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=num_sms, sparse=sparse, lengths=lengths)
 

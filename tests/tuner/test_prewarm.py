@@ -21,7 +21,6 @@ from mla_tune.backends.inputs import ragged_lengths
 from mla_tune.backends.interface import DecodeInputs
 from mla_tune.backends.nvml_probe import probe_devices
 from mla_tune.backends.problem import Problem, Shape
-from mla_tune.backends.registry import load_adapter
 from mla_tune.backends.vllm_kernels.triton import num_kv_splits
 from mla_tune.store.repository import Store
 from mla_tune.tuner.presets import KeyWork, TuneSpec
@@ -87,10 +86,10 @@ def test_default_plans_list_every_build_the_units_make_once(tmp_path, monkeypatc
         for shape in plan.todo:
             for backend in plan.backends:
                 if backend in OUR_TRITON:
-                    adapter = load_adapter(backend)()
+                    adapter = (ours.TritonMLASparse if problem.sparse else ours.TritonMLA)()
                     chosen = [params for _, params in adapter.tile_candidates(problem, _light_inputs(problem, shape))]
                     # The pre-build's launches are the adapter's, in its order, for every unit.
-                    assert our_launches(problem, shape, num_sms=H100_SMS, cc_major=9, seed=0, backend=backend) == chosen
+                    assert our_launches(problem, shape, num_sms=H100_SMS, cc_major=9, seed=0) == chosen
                     for params in chosen:
                         launches += 1
                         needed.update(b for b in launch_builds(problem, params, kv_len=shape.kv_len) if b)
