@@ -77,6 +77,8 @@ def start_cuda_platform():
     import vllm.model_executor.layers.attention.mla_attention  # noqa: F401
     import vllm.model_executor.layers.attention.sparse_mla_attention  # noqa: F401
     import vllm.model_executor.layers.linear  # noqa: F401
+    # what vLLM's model registry imports to save an inspected architecture (w8a8_utils asks the CUDA ops at import)
+    import vllm.model_executor.model_loader.weight_utils  # noqa: F401
     import vllm.platforms as platforms
     import vllm.platforms.cuda as cuda
     from vllm.platforms.interface import DeviceCapability
