@@ -1,10 +1,11 @@
-"""Our kernel against itself with one dispatch switch changed, side by side in one process, vLLM's kernels beside.
+"""Our kernel against itself with dispatch switches changed, side by side in one process, vLLM's kernels beside.
 
-Variant A launches with the dispatch as it is. Variant B launches with `dispatch.NAME` replaced by a Python literal
-(--set NAME=LITERAL), also while its CUDA graphs are captured, so each graph keeps its own kernel. Both are checked
-against the float32 reference, then timed together with the other --backends by `bench/kernels.py`'s timing
-(`mla_tune.tuner.timing`: CUDA graphs over L2-rotated copies, interleaved replays). Shapes where the default tile
-is not of --form are skipped.
+Variant A launches with the dispatch as it is. Each --set is one more variant (B, C, ...) that is prepared and
+launched with `dispatch.NAME` replaced by the value of a Python expression in dispatch's namespace (--set
+"NAME=EXPR; NAME2=EXPR2" changes two), also while its CUDA graphs are captured, so each graph keeps its own kernel.
+All are checked against the float32 reference, then timed together with the other --backends by `bench/kernels.py`'s
+timing (`mla_tune.tuner.timing`: CUDA graphs over L2-rotated copies, interleaved replays). Shapes where the default
+tile is not of --form are skipped.
 
     python3 bench/forms_ab.py --form qk1 --heads 64,128 \\
         --set "QK1_QUERY_REG_COLS={}"   # B: no query columns in registers
@@ -13,7 +14,6 @@ is not of --form are skipped.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import math
 import sys
@@ -22,46 +22,72 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402 - bench/kernels.py, beside this script
 
-VARIANT = "MLA_TUNE_TRITON:B"
+def variant_name(i: int) -> str:
+    """The i-th --set's backend column: MLA_TUNE_TRITON:B, :C, ..."""
+    return f"MLA_TUNE_TRITON:{chr(ord('B') + i)}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--set", dest="switch", required=True, help="NAME=LITERAL: the dispatch switch of variant B")
+    p.add_argument("--set", dest="switches", action="append", required=True,
+                   help="NAME=EXPR[; NAME=EXPR ...]: one variant's dispatch switches (repeat for more variants)")
     p.add_argument("--form", default="qk1", help="only shapes whose default tile is of this kernel form")
     p.add_argument("--others", default="FLASHMLA,FLASH_ATTN_MLA", help="vLLM's kernels timed beside (dense names; "
                    "the sparse ones are added for sparse shapes)")
     args, rest = p.parse_known_args(argv)
-    name, _, literal = args.switch.partition("=")
-    args.switch_name, args.switch_value = name.strip(), ast.literal_eval(literal.strip())
+    args.variants = [parse_switches(text) for text in args.switches]
     grid_args = kernels.parse_args(rest)
     for key, value in vars(args).items():
         setattr(grid_args, key, value)
     return grid_args
 
 
-@contextlib.contextmanager
-def switched(name: str, value):
+def parse_switches(text: str) -> list[tuple[str, object]]:
+    """"NAME=EXPR; NAME2=EXPR2" -> [(NAME, value), ...], each EXPR a Python expression evaluated in the dispatch
+    module's namespace (so `MinBatch(dense=1, sparse=16)` and comprehensions work)."""
     from mla_tune.backends.triton_mla import dispatch
 
-    if not hasattr(dispatch, name):
-        raise SystemExit(f"dispatch has no {name}")
-    old = getattr(dispatch, name)
-    setattr(dispatch, name, value)
+    switches = []
+    for part in filter(str.strip, text.split(";")):
+        name, _, expr = part.partition("=")
+        switches.append((name.strip(), eval(expr.strip(), vars(dispatch).copy())))  # noqa: S307 - the operator's own
+    return switches
+
+
+@contextlib.contextmanager
+def switched(switches: list[tuple[str, object]]):
+    from mla_tune.backends.triton_mla import dispatch
+
+    olds = []
+    for name, _ in switches:
+        if not hasattr(dispatch, name):
+            raise SystemExit(f"dispatch has no {name}")
+        olds.append((name, getattr(dispatch, name)))
     try:
+        for name, value in switches:
+            setattr(dispatch, name, value)
         yield
     finally:
-        setattr(dispatch, name, old)
+        for name, old in reversed(olds):
+            setattr(dispatch, name, old)
 
 
 class SwitchedRunner:
-    """A prepared runner of our kernel that launches with the switch set."""
+    """A prepared runner of our kernel that launches with the switches set."""
 
-    def __init__(self, runner, name: str, value):
-        self.runner, self.name, self.value = runner, name, value
+    def __init__(self, runner, switches: list[tuple[str, object]]):
+        self.runner, self.switches = runner, switches
+
+    @classmethod
+    def prepare(cls, backend: str, problem, inputs, switches: list[tuple[str, object]]) -> SwitchedRunner:
+        """`backend` prepared with the switches set too (the tile is chosen at prepare time)."""
+        from mla_tune.backends.registry import load_adapter
+
+        with switched(switches):
+            return cls(load_adapter(backend)().prepare(problem, inputs), switches)
 
     def run(self, inputs):
-        with switched(self.name, self.value):
+        with switched(self.switches):
             return self.runner.run(inputs)
 
     def adopt(self, inputs):
@@ -79,7 +105,6 @@ def run_shape(shape, args, env) -> list[dict]:
 
     from mla_tune.backends.inputs import make_inputs
     from mla_tune.backends.problem import Problem, Shape
-    from mla_tune.backends.registry import load_adapter
 
     kv, heads, batch, kv_len, topk = shape
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=args.page_size, topk=topk)
@@ -88,9 +113,9 @@ def run_shape(shape, args, env) -> list[dict]:
     inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch)
     base = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-",
                 checked=f"{min(batch, args.check_requests)}/{batch}")
-    variant = (VARIANT, ours, lambda: SwitchedRunner(load_adapter(ours)().prepare(problem, inputs),
-                                                     args.switch_name, args.switch_value))
-    rows, prepared = kernels._prepare_and_check(problem, inputs, [ours, *others], args, env, base, extra=[variant])
+    variants = [(variant_name(i), ours, lambda s=switches: SwitchedRunner.prepare(ours, problem, inputs, s))
+                for i, switches in enumerate(args.variants)]
+    rows, prepared = kernels._prepare_and_check(problem, inputs, [ours, *others], args, env, base, extra=variants)
     if ours not in prepared or prepared[ours][0].params.kernel_form != args.form:
         return []
     rows += kernels._time_prepared(prepared, inputs, args, env)
@@ -109,22 +134,25 @@ def main(argv=None) -> int:
     env["spec"] = DeviceSpec(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
     env["matmul_tflops"] = timing.measure_matmul_tflops()
-    print(f"# forms_ab: variant B = {VARIANT} with dispatch.{args.switch_name} = {args.switch_value!r}")
+    for i, switches in enumerate(args.variants):
+        print(f"# forms_ab: variant {variant_name(i)}: " + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
     print("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
     print("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
     print(kernels.HEADER)
-    logs = []
+    logs = {variant_name(i): [] for i in range(len(args.variants))}
     for shape in kernels.grid(args):
         rows = run_shape(shape, args, env)
         for r in rows:
             print(kernels.format_row(r), flush=True)
         times = {r["backend"]: r["median_us"] for r in rows if r.get("median_us")}
-        if VARIANT in times and ours_of(shape) in times:
-            logs.append(math.log(times[ours_of(shape)] / times[VARIANT]))
-            print(f"# {shape}: A / B = {math.exp(logs[-1]):.3f}", flush=True)
-    if logs:
-        print(f"# A / B over {len(logs)} shapes: geomean {math.exp(sum(logs) / len(logs)):.3f}, "
-              f"range {math.exp(min(logs)):.3f}-{math.exp(max(logs)):.3f}")
+        for name, log in logs.items():
+            if name in times and ours_of(shape) in times:
+                log.append(math.log(times[ours_of(shape)] / times[name]))
+                print(f"# {shape}: A / {name[-1]} = {math.exp(log[-1]):.3f}", flush=True)
+    for name, log in logs.items():
+        if log:
+            print(f"# A / {name[-1]} over {len(log)} shapes: geomean {math.exp(sum(log) / len(log)):.3f}, "
+                  f"range {math.exp(min(log)):.3f}-{math.exp(max(log)):.3f}")
     return 0
 
 

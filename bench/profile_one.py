@@ -20,6 +20,8 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="fp8_e4m3")
     parser.add_argument("--topk", type=int, default=None, help="sparse top-k (default: dense)")
     parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--set", dest="switches", default="",
+                        help="NAME=EXPR[; ...]: dispatch switches to launch with (as bench/forms_ab.py's --set)")
     args = parser.parse_args()
 
     import torch
@@ -30,12 +32,16 @@ def main() -> None:
 
     problem = Problem(num_heads=args.heads, kv_cache_dtype=args.kv_dtype, page_size=64, topk=args.topk)
     inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=0)
-    runner = load_adapter(args.backend)().prepare(problem, inputs)
-    for _ in range(args.launches):
-        runner.run(inputs)
-    torch.cuda.synchronize()
+    from forms_ab import parse_switches, switched
+
+    with switched(parse_switches(args.switches)):
+        runner = load_adapter(args.backend)().prepare(problem, inputs)
+        for _ in range(args.launches):
+            runner.run(inputs)
+        torch.cuda.synchronize()
     print(f"{args.backend}: {args.launches} launches of heads {args.heads} batch {args.batch} kv {args.kv_len} "
-          f"{args.kv_dtype}" + (f" top-k {args.topk}" if args.topk else ""))
+          f"{args.kv_dtype}" + (f" top-k {args.topk}" if args.topk else "")
+          + (f" with {args.switches}" if args.switches else ""))
 
 
 if __name__ == "__main__":

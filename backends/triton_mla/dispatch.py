@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
     BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE,
-    HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile, packed_rows,
-    rows_bucket)
+    HOPPER_TOKEN_SPLIT_SHAPE, NARROW_WORKER_REGS, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile,
+    packed_rows, rows_bucket)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +123,8 @@ HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8",
                       ("16bit", 64): 16, ("16bit", 128): 4}  # dense only: the smallest batch that is not short
 
 # Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
-# The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
+# The narrow FP8 form's staged loader warpgroups, by sparse (two: their lookups and gathers run side by side; 0: the
+# register loaders instead, the loader ahead where LOADER_AHEAD_FORMS names the form, else two plain ones).
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
 # Forms whose query every warp loads before the partitions start (elsewhere the MMA warps load it).
 QUERY_BEFORE_PARTITIONS = {("token_split", "fp8", "dense"), ("qk1", "16bit", "dense"), ("qk1", "fp8", "dense")}
@@ -134,6 +135,8 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
+# Narrow forms with two MMA warpgroups on alternate tiles (ping-pong), merged at the end; one loader warpgroup.
+NARROW_PING_PONG_FORMS: set[tuple[str, str, str]] = set()
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -228,7 +231,8 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
 
 def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = False) -> int:
     """The Hopper kernel's `STAGED_LOADERS` (also the arrivals that fill a narrow FP8 slot): `HOPPER_STAGED_LOADERS`
-    in the narrow FP8 form, 1 elsewhere and for fp8_ds_mla rows (two plain loaders, one arrival a tile)."""
+    in the narrow FP8 form (0: register loaders, one arrival a tile), 1 elsewhere and for fp8_ds_mla rows (two plain
+    loaders, one arrival a tile)."""
     if not kv_fp8 or ds_mla or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
         return 1
     return HOPPER_STAGED_LOADERS[sparse]
@@ -250,12 +254,18 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     qk1 = form[0] == "qk1"
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
-    ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
+    ping_pong = form in NARROW_PING_PONG_FORMS
+    staged = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla)
+    if ping_pong:
+        staged = min(staged, 1)
+    ahead = (by_form and kv_fp8 and (form[0] != "narrow" or staged == 0) and kv_words and not ds_mla
+             and not ping_pong)
     load_regs = HOPPER_LOAD_REGS["ds_mla" if ds_mla else "fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
-        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
-        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
-        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
+        STAGED_LOADERS=staged, PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
+        MMA_REGS=QK1_WORKER_REGS if qk1 else NARROW_WORKER_REGS if ping_pong else 0, PING_PONG=ping_pong,
+        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS and not ping_pong,
+        L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla)

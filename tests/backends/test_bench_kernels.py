@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from bench_scripts import BENCH, load
 
 SCRIPT = BENCH / "kernels.py"
@@ -68,11 +70,14 @@ def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
     assert summary.main([str(tmp_path / "missing.txt")]) == 2
 
 
-def test_forms_ab_switches_one_dispatch_value_only_while_it_launches():
+def test_forms_ab_switches_each_variants_dispatch_values_only_while_it_launches():
     ab = load("forms_ab")
     args = ab.parse_args(["--set", "L2_PREFETCH_FORMS={('qk1', 'fp8', 'dense')}", "--heads", "128",
+                          "--set", "HOPPER_STAGED_LOADERS={False: 0, True: 2}; COMBINE_SPLITS_AT_ONCE=4 * 2",
                           "--dense-only", "--kv-dtype", "fp8_e4m3"])
-    assert args.switch_name == "L2_PREFETCH_FORMS" and args.switch_value == {("qk1", "fp8", "dense")}
+    assert args.variants == [[("L2_PREFETCH_FORMS", {("qk1", "fp8", "dense")})],
+                             [("HOPPER_STAGED_LOADERS", {False: 0, True: 2}), ("COMBINE_SPLITS_AT_ONCE", 8)]]
+    assert [ab.variant_name(i) for i in range(2)] == ["MLA_TUNE_TRITON:B", "MLA_TUNE_TRITON:C"]
     assert {s[1] for s in ab.kernels.grid(args)} == {128}
     from mla_tune.backends.triton_mla import dispatch
 
@@ -80,9 +85,15 @@ def test_forms_ab_switches_one_dispatch_value_only_while_it_launches():
 
     class Runner:
         def run(self, inputs):
-            seen.append(set(dispatch.L2_PREFETCH_FORMS))
+            seen.append((set(dispatch.L2_PREFETCH_FORMS), dict(dispatch.HOPPER_STAGED_LOADERS),
+                         dispatch.COMBINE_SPLITS_AT_ONCE))
             return inputs
 
-    before = set(dispatch.L2_PREFETCH_FORMS)
-    assert ab.SwitchedRunner(Runner(), args.switch_name, args.switch_value).run("x") == "x"
-    assert seen == [{("qk1", "fp8", "dense")}] and dispatch.L2_PREFETCH_FORMS == before
+    before = (set(dispatch.L2_PREFETCH_FORMS), dict(dispatch.HOPPER_STAGED_LOADERS), dispatch.COMBINE_SPLITS_AT_ONCE)
+    assert ab.SwitchedRunner(Runner(), args.variants[0]).run("x") == "x"
+    assert ab.SwitchedRunner(Runner(), args.variants[1]).run("y") == "y"
+    assert seen == [({("qk1", "fp8", "dense")}, before[1], before[2]), (before[0], {False: 0, True: 2}, 8)]
+    assert (set(dispatch.L2_PREFETCH_FORMS), dict(dispatch.HOPPER_STAGED_LOADERS),
+            dispatch.COMBINE_SPLITS_AT_ONCE) == before
+    with pytest.raises(SystemExit, match="dispatch has no NOPE"):
+        ab.SwitchedRunner(Runner(), [("NOPE", 1)]).run("z")
