@@ -75,7 +75,6 @@ HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120}
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
-NARROW_WORKER_REGS = 200  # the ping-pong narrow form's second MMA warpgroup
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
 # The 64-row tl tiles need 180-216 KB of shared memory: only Hopper and Blackwell datacenter parts have it.
 BIG_TILE_CC_MAJORS = (9, 10)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
     BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE,
-    HOPPER_TOKEN_SPLIT_SHAPE, NARROW_WORKER_REGS, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile,
-    packed_rows, rows_bucket)
+    HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile, packed_rows,
+    rows_bucket)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,9 +22,14 @@ class MinBatch:
 
     dense: int | None
     sparse: int | None
+    dense_min_items: int = 0  # dense: only where the longest request has at least this many tokens
 
     def of(self, *, sparse: bool) -> int | None:
         return self.sparse if sparse else self.dense
+
+    def takes(self, *, batch: int, max_items: int, sparse: bool) -> bool:
+        min_batch = self.of(sparse=sparse)
+        return min_batch is not None and batch >= min_batch and (sparse or max_items >= self.dense_min_items)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +108,7 @@ HOPPER_QK1_TILE = hopper_tile(HOPPER_QK1_SHAPE)
 # Where each Hopper form replaces the tl tile on SM90, tried in this order (narrow, qk1, token-split).
 HOPPER_NARROW_MIN_BATCH = {
     ("fp8", 16): MinBatch(dense=1, sparse=1), ("fp8", 32): MinBatch(dense=1, sparse=1),
-    ("16bit", 16): MinBatch(dense=None, sparse=16), ("16bit", 32): MinBatch(dense=None, sparse=64),
+    ("16bit", 16): MinBatch(dense=1, sparse=16), ("16bit", 32): MinBatch(dense=1, sparse=64, dense_min_items=4096),
 }
 HOPPER_QK1_MIN_BATCH = {
     ("16bit", 64): MinBatch(dense=16, sparse=1), ("16bit", 128): MinBatch(dense=4, sparse=1),
@@ -123,8 +128,7 @@ HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8",
                       ("16bit", 64): 16, ("16bit", 128): 4}  # dense only: the smallest batch that is not short
 
 # Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
-# The narrow FP8 form's staged loader warpgroups, by sparse (two: their lookups and gathers run side by side; 0: the
-# register loaders instead, the loader ahead where LOADER_AHEAD_FORMS names the form, else two plain ones).
+# The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
 # Forms whose query every warp loads before the partitions start (elsewhere the MMA warps load it).
 QUERY_BEFORE_PARTITIONS = {("token_split", "fp8", "dense"), ("qk1", "16bit", "dense"), ("qk1", "fp8", "dense")}
@@ -135,8 +139,6 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
-# Narrow forms with two MMA warpgroups on alternate tiles (ping-pong), merged at the end; one loader warpgroup.
-NARROW_PING_PONG_FORMS: set[tuple[str, str, str]] = set()
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -160,13 +162,12 @@ def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse
     return max_items < HOPPER_MIN_ITEMS and batch < min_batch
 
 
-def _hopper_tile(kind: str, bucket: int, *, batch: int, sparse: bool) -> Tile | None:
-    """The first Hopper form whose table takes (kind, bucket) at this batch, or None."""
+def _hopper_tile(kind: str, bucket: int, *, batch: int, max_items: int, sparse: bool) -> Tile | None:
+    """The first Hopper form whose table takes (kind, bucket) at this batch and length, or None."""
     for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_QK1_MIN_BATCH, HOPPER_QK1_TILE),
                         (HOPPER_TOKEN_SPLIT_MIN_BATCH, HOPPER_TOKEN_SPLIT_TILE)):
         entry = table.get((kind, bucket))
-        min_batch = entry.of(sparse=sparse) if entry else None
-        if min_batch is not None and batch >= min_batch:
+        if entry is not None and entry.takes(batch=batch, max_items=max_items, sparse=sparse):
             longer = HOPPER_QK1_SPARSE_SPLITS.get((kind, bucket)) if sparse and tile == HOPPER_QK1_TILE else None
             if longer and batch >= longer.min_batch:
                 return tile.replace(min_split_tokens=longer.min_split_tokens)
@@ -187,7 +188,7 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
     kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
-        tile = _hopper_tile(kind, bucket, batch=batch, sparse=sparse)
+        tile = _hopper_tile(kind, bucket, batch=batch, max_items=max_items, sparse=sparse)
         if tile is not None:
             return tile
     return table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)
@@ -231,8 +232,7 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
 
 def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = False) -> int:
     """The Hopper kernel's `STAGED_LOADERS` (also the arrivals that fill a narrow FP8 slot): `HOPPER_STAGED_LOADERS`
-    in the narrow FP8 form (0: register loaders, one arrival a tile), 1 elsewhere and for fp8_ds_mla rows (two plain
-    loaders, one arrival a tile)."""
+    in the narrow FP8 form, 1 elsewhere and for fp8_ds_mla rows (two plain loaders, one arrival a tile)."""
     if not kv_fp8 or ds_mla or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
         return 1
     return HOPPER_STAGED_LOADERS[sparse]
@@ -254,18 +254,12 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     qk1 = form[0] == "qk1"
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
-    ping_pong = form in NARROW_PING_PONG_FORMS
-    staged = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla)
-    if ping_pong:
-        staged = min(staged, 1)
-    ahead = (by_form and kv_fp8 and (form[0] != "narrow" or staged == 0) and kv_words and not ds_mla
-             and not ping_pong)
+    ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
     load_regs = HOPPER_LOAD_REGS["ds_mla" if ds_mla else "fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
-        STAGED_LOADERS=staged, PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
-        MMA_REGS=QK1_WORKER_REGS if qk1 else NARROW_WORKER_REGS if ping_pong else 0, PING_PONG=ping_pong,
-        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS and not ping_pong,
-        L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
+        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
+        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
+        QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla)

@@ -214,19 +214,6 @@ def _tile_positions(n0, end, seq_len, topk_row, layout: gl.constexpr, BLOCK_N: g
     return pos, ok
 
 
-# Triton 3.9 made shared_memory_descriptor._reinterpret public as reinterpret
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
-
-@gluon.jit
-def _reinterpret(desc, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
-    """`desc` seen as a `[rows, cols]` tile of `dtype` in `layout`, under either name Triton gives it."""
-    if _PUBLIC_REINTERPRET:
-        return desc.reinterpret(dtype, [rows, cols], layout)
-    else:
-        return desc._reinterpret(dtype, [rows, cols], layout)
-
-
 @gluon.jit
 def _full_slot(ring: Ring, t, FENCE_SLOTS: gl.constexpr):
     """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot; fenced for wgmma where

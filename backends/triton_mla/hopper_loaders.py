@@ -210,14 +210,13 @@ def _stage_half(stage, half: gl.constexpr, row, ok, cols):
 
 @gluon.jit
 def _load_partition_staged(src: KvSource, ring: Ring, stage, FIRST_HALF: gl.constexpr = 0,
-                           N_HALVES: gl.constexpr = 2, PREFETCH: gl.constexpr = False):
+                           N_HALVES: gl.constexpr = 2):
     """An FP8 loader of the narrow form, for halves `FIRST_HALF .. FIRST_HALF + N_HALVES - 1` of every tile (one
     loader both halves, or two loaders one half each, each arriving once on the slot's barrier): the e4m3 bytes go to
     a staging ring of two half tiles with `cp.async` (16 bytes a thread), one tile ahead of the casts, so the HBM
     reads do not wait for a free slot. Per half: wait for its copies, load the bytes (each thread reads back the
     bytes it copied, so no barrier between the loader's threads), cast them to fp16, refill the staging half with the
-    half one tile on, store the fp16 values into the slot; with `PREFETCH` also ask the L2 for the half two tiles
-    on (`_prefetch_rows`).
+    half one tile on, store the fp16 values into the slot.
     """
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     HALF: gl.constexpr = src.BLOCK_N // 2
@@ -236,12 +235,6 @@ def _load_partition_staged(src: KvSource, ring: Ring, stage, FIRST_HALF: gl.cons
             async_copy.wait_group(N_HALVES - 1)  # this half's group; a later half's may still be in flight
             xs = _cast_chunks(_staged_chunks(stage, j, layout))
             _stage_half(stage, j, row, ok, cols)  # after the casts used the bytes it overwrites
-            if PREFETCH:
-                if 2 * t + 4 + j < 2 * src.n_tiles:
-                    row2, ok2 = _tile_rows(src.start + (2 * t + 4 + j) * HALF, src.end, src.seq_len, src.topk_row,
-                                           src.bt_row, src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, HALF,
-                                           src.PAGE_SIZE, src.SPARSE)
-                    _prefetch_rows(row2, ok2, src.kv_ptr)
             _store_chunks(ring.k_lat.index(slot).slice(j * HALF, HALF, dim=0),
                           ring.k_rope.index(slot).slice(j * HALF, HALF, dim=0), xs)
         fence_async_shared()

@@ -16,17 +16,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    LOAD_WARPS, KvSource, Program, Ring, _full_slot, _inv_sums, _lse, _reinterpret, _rows, _store_out,
-    _store_query, _tile_positions)
+    LOAD_WARPS, KvSource, Program, Ring, _full_slot, _inv_sums, _lse, _rows, _store_out, _store_query,
+    _tile_positions)
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition, _load_partition_staged
 
 
 @gluon.jit
-def _narrow_epilogue(acc, m_i, l_i, prog: Program, s_layout: gl.constexpr):
+def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
     """The partial (or final) output, transposed (each lane's values of one row are 8 columns apart from its
-    neighbours', so the stores still fill 32-byte sectors), and the LSE."""
+    neighbours', so the stores still fill 32-byte sectors), and the LSE; `l_acc`: the per-token row sums."""
     toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    l_i = gl.sum(l_acc, 0)
     qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, prog.N_ROWS)
     cols = gl.arange(0, 512, layout=toks_s)
     o_row = (prog.o_ptr + prog.b.to(gl.int64) * prog.stride_ob + prog.split * prog.stride_os + qi * prog.stride_ot
@@ -40,20 +41,8 @@ def _narrow_epilogue(acc, m_i, l_i, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _merge_buffer(ring: Ring, N_ROWS: gl.constexpr):
-    """Warpgroup 1's `[512, N_ROWS]` fp32 accumulator in ring slot 1's latent part (64 KiB, free once warpgroup 1
-    has multiplied its last tile: the loader writes only odd tiles there)."""
-    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    whole = _reinterpret(ring.k_lat.index(1), gl.float32, 16384 // N_ROWS, N_ROWS, layout)
-    return whole.slice(0, 512, dim=0)
-
-
-@gluon.jit
-def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, m_smem, l_smem, merge_bar, prog: Program,
-                FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
-    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M, on tiles
-    `FIRST, FIRST + STRIDE, ...`. With two (`STRIDE` 2, ping-pong) warpgroup 1 hands its running max, row sums and
-    output to warpgroup 0 (`m_smem`, `l_smem`, `_merge_buffer`, `merge_bar`), which merges and writes them."""
+def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program):
+    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
     N_ROWS: gl.constexpr = prog.N_ROWS
@@ -69,7 +58,7 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, m_smem, l_smem, merge_bar, pr
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    for t in range(FIRST, prog.n_tiles, STRIDE):
+    for t in range(prog.n_tiles):
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, toks_s, BLOCK_N,
                                   prog.SPARSE)
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
@@ -92,81 +81,35 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, m_smem, l_smem, merge_bar, pr
         acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
-    l_i = gl.sum(l_acc, 0)
-    if STRIDE == 1:
-        _narrow_epilogue(acc, m_i, l_i, prog, s_layout)
-    elif FIRST == 1:
-        m_smem.store(m_i)
-        l_smem.store(l_i)
-        _merge_buffer(ring, N_ROWS).store(acc)
-        mbarrier.arrive(merge_bar)
-    else:
-        mbarrier.wait(merge_bar, 0)
-        m_1 = m_smem.load(rows_s)
-        l_1 = l_smem.load(rows_s)
-        m_new = gl.maximum(m_i, m_1)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha_0 = gl.exp2(m_i - m_safe)
-        alpha_1 = gl.exp2(m_1 - m_safe)
-        acc = acc * alpha_0[None, :] + _merge_buffer(ring, N_ROWS).load(s_layout) * alpha_1[None, :]
-        _narrow_epilogue(acc, m_new, l_i * alpha_0 + l_1 * alpha_1, prog, s_layout)
+    _narrow_epilogue(acc, m_i, l_acc, prog, s_layout)
 
 
 @gluon.jit
 def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
-                LOAD_REGS: gl.constexpr, L2_PREFETCH: gl.constexpr, LOADER_AHEAD: gl.constexpr,
-                PING_PONG: gl.constexpr, MMA_REGS: gl.constexpr):
-    """The narrow form's partitions: p^T's shared memory, the MMA warpgroup as the default partition (with
-    `PING_PONG` a second one as a worker, `MMA_REGS` registers a thread, on the odd tiles) and the loaders: for an
-    e4m3 cache `STAGED_LOADERS` staged loaders over a staging ring of two half tiles, or (0) the register loader
-    ahead (`LOADER_AHEAD`), or plain ones (`L2_PREFETCH`: asking the L2 for their next FP8 tile); otherwise
-    (16-bit caches, fp8_ds_mla rows) plain loaders: two, one per slot, or one with `PING_PONG`."""
+                LOAD_REGS: gl.constexpr):
+    """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
+    warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
+    per slot, for a 16-bit cache or fp8_ds_mla rows, whose loaders also ask the L2 for their tile after next)."""
     mma_dtype: gl.constexpr = gl.float16 if prog.KV_FP8 else prog.q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(mma_dtype, [prog.N_ROWS, prog.BLOCK_N], smem_layout)
-    m_smem = gl.allocate_shared_memory(gl.float32, [prog.N_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    l_smem = gl.allocate_shared_memory(gl.float32, [prog.N_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    merge_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(merge_bar, count=1)
-    if PING_PONG:
-        gl.static_assert(STAGED_LOADERS <= 1 and not LOADER_AHEAD, "ping-pong: one loader warpgroup")
-        p_smem_1 = gl.allocate_shared_memory(mma_dtype, [prog.N_ROWS, prog.BLOCK_N], smem_layout)
-        if prog.KV_FP8 and not src.DS_MLA and STAGED_LOADERS > 0:
-            stage = gl.allocate_shared_memory(src.kv_ptr.dtype.element_ty, [18, prog.BLOCK_N // 2, 64],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, m_smem, l_smem, merge_bar, prog, 0, 2)),
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem_1, m_smem, l_smem, merge_bar, prog, 1, 2)),
-                (_load_partition_staged, (src, ring, stage, 0, 2, L2_PREFETCH))],
-                [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
-        else:
-            gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, m_smem, l_smem, merge_bar, prog, 0, 2)),
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem_1, m_smem, l_smem, merge_bar, prog, 1, 2)),
-                (_load_partition, (src, ring, 0, 1, L2_PREFETCH))],
-                [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
-    elif prog.KV_FP8 and not src.DS_MLA and STAGED_LOADERS > 0:
+    if prog.KV_FP8 and not src.DS_MLA:
         stage = gl.allocate_shared_memory(src.kv_ptr.dtype.element_ty, [18, prog.BLOCK_N // 2, 64],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if STAGED_LOADERS == 2:
             gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, m_smem, l_smem, merge_bar, prog)),
-                (_load_partition_staged, (src, ring, stage, 0, 1, L2_PREFETCH)),
-                (_load_partition_staged, (src, ring, stage, 1, 1, L2_PREFETCH))],
+                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
+                (_load_partition_staged, (src, ring, stage, 0, 1)),
+                (_load_partition_staged, (src, ring, stage, 1, 1))],
                 [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, m_smem, l_smem, merge_bar, prog)),
-                (_load_partition_staged, (src, ring, stage, 0, 2, L2_PREFETCH))],
+                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
+                (_load_partition_staged, (src, ring, stage))],
                 [LOAD_WARPS], [LOAD_REGS])
-    elif LOADER_AHEAD:
-        gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, m_smem, l_smem, merge_bar, prog)),
-            (_load_partition, (src, ring, 0, 1, L2_PREFETCH, True))],
-            [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, m_smem, l_smem, merge_bar, prog)),
-            (_load_partition, (src, ring, 0, 2, L2_PREFETCH)),
-            (_load_partition, (src, ring, 1, 2, L2_PREFETCH))],
+            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
+            (_load_partition, (src, ring, 0, 2, src.DS_MLA)),
+            (_load_partition, (src, ring, 1, 2, src.DS_MLA))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

@@ -22,11 +22,24 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    LOAD_WARPS, ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _load_query, _reinterpret, _round_pairs,
-    _rows, _store_query, _tile_positions)
+    LOAD_WARPS, ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _load_query, _round_pairs, _rows,
+    _store_query, _tile_positions)
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition
 
 LAZY_MAX_LOG2 = gl.constexpr(8.0)  # p stays below 2^8, well inside fp16/bf16 range
+# Triton 3.9 made shared_memory_descriptor._reinterpret public as reinterpret
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _reinterpret(desc, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
+    """`desc` seen as a `[rows, cols]` tile of `dtype` in `layout`, under either name Triton gives it."""
+    if _PUBLIC_REINTERPRET:
+        return desc.reinterpret(dtype, [rows, cols], layout)
+    else:
+        return desc._reinterpret(dtype, [rows, cols], layout)
+
+
 @aggregate
 class Qk1Exchange:
     """What warpgroup 0 hands warpgroup 1: each slot's rescale factors (`alpha_smem`, signalled by `p_bars` together

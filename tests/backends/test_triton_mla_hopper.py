@@ -201,17 +201,16 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     from mla_tune.backends.triton_mla.splits import default_params
 
     never = MinBatch(dense=None, sparse=None)
-    min_batch = HOPPER_TOKEN_SPLIT_MIN_BATCH.get((kind, bucket), never).of(sparse=sparse)
-    narrow_min = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), never).of(sparse=sparse)
-    qk1_min = HOPPER_QK1_MIN_BATCH.get((kind, bucket), never).of(sparse=sparse)
     for batch in (1, 2, 4, 16, 64, 128):
         for items in (1024, 2048, 4096):
             kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                           kv_fp8=kind == "fp8", lengths=[items] * batch)
             short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=items, sparse=sparse)
-            narrow = narrow_min is not None and batch >= narrow_min and not short
-            qk1 = qk1_min is not None and batch >= qk1_min and not short and not narrow
-            wide = (qk1 or min_batch is not None and batch >= min_batch) and not short and not narrow
+            takes = dict(batch=batch, max_items=items, sparse=sparse)
+            narrow = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), never).takes(**takes) and not short
+            qk1 = HOPPER_QK1_MIN_BATCH.get((kind, bucket), never).takes(**takes) and not short and not narrow
+            wide = (qk1 or HOPPER_TOKEN_SPLIT_MIN_BATCH.get((kind, bucket), never).takes(**takes)) and not short \
+                and not narrow
             hopper = default_params(**kwargs, cc_major=9)
             assert hopper.warp_specialized == (narrow or wide), (batch, items, hopper)
             if narrow or wide:  # the form: narrow (16/32 rows), qk1 where its table says, token-split otherwise
@@ -234,7 +233,13 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (128, 4, 1024, True, False, True),     # 128 heads short from batch 4
     (128, 1, 1024, False, False, False),   # ... not at batch 1
     (64, 4, 1024, True, False, False),     # 64 heads short at batch 4: the tl tile
-    (16, 128, 16384, False, False, False),  # dense BF16 16 heads: the tl tile
+    (16, 128, 16384, False, False, 16),    # dense BF16 16 heads: the narrow form
+    (16, 1, 4096, False, False, 16),       # ... from batch 1
+    (16, 4, 1024, False, False, False),    # ... short requests at a small batch: the tl tile
+    (32, 64, 4096, False, False, 32),      # dense BF16 32 heads from 4096 tokens: the narrow form
+    (32, 4, 16384, False, False, 32),      # ... at any batch
+    (32, 64, 2048, False, False, 64),      # ... shorter: the token-split form
+    (32, 4, 2048, False, False, False),    # ... shorter at batch 4: the tl tile
     (32, 4, 16384, True, False, True),     # FP8 32 heads
     (16, 128, 2048, False, True, 16),      # sparse BF16 16 heads at batch 64-128: the narrow form
     (16, 16, 2048, False, True, 16),       # ... and at batch 16
@@ -723,84 +728,3 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
-
-
-NARROW_FORMS = {("narrow", kind, how) for kind in ("fp8", "16bit") for how in ("dense", "sparse")}
-# Variants of the narrow form as the dispatch tables would select them: the FP8 register loaders
-# (`HOPPER_STAGED_LOADERS` 0: two plain loaders, with or without the L2 prefetch, or the loader ahead), and two MMA
-# warpgroups on alternate tiles (`NARROW_PING_PONG_FORMS`; one loader), and the staged loader asking the L2 for the
-# half tile two tiles on.
-NARROW_VARIANTS = {
-    "plain": dict(HOPPER_STAGED_LOADERS={False: 0, True: 0}, L2_PREFETCH_FORMS=set(), LOADER_AHEAD_FORMS={}),
-    "plain_prefetch": dict(HOPPER_STAGED_LOADERS={False: 0, True: 0}, L2_PREFETCH_FORMS=NARROW_FORMS,
-                           LOADER_AHEAD_FORMS={}),
-    "ahead": dict(HOPPER_STAGED_LOADERS={False: 0, True: 0}, L2_PREFETCH_FORMS=NARROW_FORMS,
-                  LOADER_AHEAD_FORMS=dict.fromkeys(NARROW_FORMS)),
-    "ping_pong": dict(NARROW_PING_PONG_FORMS=NARROW_FORMS),
-    "staged_prefetch": dict(L2_PREFETCH_FORMS=NARROW_FORMS),
-}
-
-
-def _narrow_variant(monkeypatch, variant: str):
-    from mla_tune.backends.triton_mla import dispatch
-
-    for name, value in NARROW_VARIANTS[variant].items():
-        monkeypatch.setattr(dispatch, name, value)
-
-
-@pytest.mark.parametrize("variant", sorted(NARROW_VARIANTS))
-@pytest.mark.parametrize("sparse", [False, True])
-def test_narrow_variants_are_selected_by_the_tables(monkeypatch, variant, sparse):
-    from mla_tune.backends.triton_mla.config import NARROW_WORKER_REGS
-    from mla_tune.backends.triton_mla.dispatch import HOPPER_TILES, hopper_constexprs
-    from mla_tune.backends.triton_mla.splits import params_from_tile
-
-    _narrow_variant(monkeypatch, variant)
-    params = params_from_tile(HOPPER_TILES[32], num_heads=32, q_len=1, batch=4, max_items=4096, sparse=sparse,
-                              lengths=[4096] * 4, num_sms=132)
-    form = hopper_constexprs(params, kv_fp8=True, sparse=sparse, splits=params.num_splits, tiles=64)
-    bf16 = hopper_constexprs(params, kv_fp8=False, sparse=sparse, splits=params.num_splits, tiles=64)
-    if variant == "ping_pong":  # one staged loader, the query stored before the partitions
-        assert (form["PING_PONG"], form["STAGED_LOADERS"], form["LOADER_AHEAD"], form["QUERY_IN_CONSUMER"],
-                form["MMA_REGS"]) == (True, 1, False, False, NARROW_WORKER_REGS), form
-        assert bf16["PING_PONG"] and not bf16["QUERY_IN_CONSUMER"], bf16
-        return
-    if variant == "staged_prefetch":
-        assert (form["STAGED_LOADERS"], form["L2_PREFETCH"], form["LOADER_AHEAD"]) == (2 if sparse else 1, True,
-                                                                                        False), form
-        return
-    assert (form["STAGED_LOADERS"], form["LOADER_AHEAD"], form["L2_PREFETCH"], form["PING_PONG"]) == (
-        0, variant == "ahead", variant != "plain", False), form
-    assert form["LOAD_REGS"] == (120 if variant == "ahead" else 96)
-    assert (bf16["STAGED_LOADERS"], bf16["LOADER_AHEAD"]) == (1, False)  # 16-bit caches keep cp.async
-
-
-@pytest.mark.gpu
-@hopper_only
-@pytest.mark.parametrize("variant,kv_dtype", [(v, "fp8_e4m3") for v in sorted(NARROW_VARIANTS)]
-                         + [("ping_pong", "bf16")])
-@pytest.mark.parametrize("case", ["edge", "long", "sparse"])
-@pytest.mark.parametrize("heads,q_len", [(3, 1), (16, 1), (20, 1), (16, 2), (32, 1)])
-def test_gpu_narrow_variants(monkeypatch, variant, kv_dtype, case, heads, q_len):
-    # edge lengths (1, 15, 16, 17, 1000, 0 and two that split) on permuted 16-token pages; ragged long requests on
-    # 64-token pages (up to 512 tiles a split); top-k 2048 with -1 padded slots
-    from mla_tune.backends.inputs import ragged_lengths
-
-    _narrow_variant(monkeypatch, variant)
-    sparse = case == "sparse"
-    if case == "edge":
-        lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
-        shape, items, page_size = Shape(len(lens), 5000), 5000, 16
-    elif case == "long":
-        shape, items, page_size = Shape(9, 32768), 32768, 64
-        lens = ragged_lengths(shape, page_size=64, min_len=q_len, seed=11)
-    else:
-        lens, shape, items, page_size = [2048] * 6, Shape(6, 2500), 2048, 64
-    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=shape.batch_size, max_items=items, lengths=lens,
-                     sparse=sparse, form="narrow")
-    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=page_size, q_len=q_len,
-                           topk=2048 if sparse else None)
-    r = _run_case(problem, shape, device="cuda", seq_lens=None if sparse else lens, params=params,
-                  scale_tensor=case == "long" and kv_dtype == "fp8_e4m3")
-    assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
-    assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
