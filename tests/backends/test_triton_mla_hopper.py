@@ -728,3 +728,67 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
+
+
+NARROW_FP8_FORMS = {("narrow", "fp8", "dense"), ("narrow", "fp8", "sparse")}
+# The narrow FP8 form's register loaders (`HOPPER_STAGED_LOADERS` 0): two, one per slot, each with its next tile in
+# flight, with or without the L2 prefetch of the one after.
+NARROW_REGISTER_LOADERS = {
+    "ahead": dict(L2_PREFETCH_FORMS=set()),
+    "ahead_prefetch": dict(L2_PREFETCH_FORMS=NARROW_FP8_FORMS),
+}
+
+
+def _narrow_register_loaders(monkeypatch, loaders: str):
+    from mla_tune.backends.triton_mla import dispatch
+
+    monkeypatch.setattr(dispatch, "HOPPER_STAGED_LOADERS", {False: 0, True: 0})
+    monkeypatch.setattr(dispatch, "LOADER_AHEAD_FORMS", dict.fromkeys(NARROW_FP8_FORMS))
+    for name, value in NARROW_REGISTER_LOADERS[loaders].items():
+        monkeypatch.setattr(dispatch, name, value)
+
+
+@pytest.mark.parametrize("loaders", sorted(NARROW_REGISTER_LOADERS))
+@pytest.mark.parametrize("sparse", [False, True])
+def test_narrow_fp8_register_loaders_are_selected_by_the_tables(monkeypatch, loaders, sparse):
+    from mla_tune.backends.triton_mla.dispatch import HOPPER_TILES, hopper_constexprs
+    from mla_tune.backends.triton_mla.splits import params_from_tile
+
+    _narrow_register_loaders(monkeypatch, loaders)
+    params = params_from_tile(HOPPER_TILES[32], num_heads=32, q_len=1, batch=4, max_items=4096, sparse=sparse,
+                              lengths=[4096] * 4, num_sms=132)
+    form = hopper_constexprs(params, kv_fp8=True, sparse=sparse, splits=params.num_splits, tiles=64)
+    assert (form["STAGED_LOADERS"], form["LOADER_AHEAD"], form["L2_PREFETCH"], form["LOAD_REGS"]) == (
+        0, True, loaders == "ahead_prefetch", 120), form
+    bf16 = hopper_constexprs(params, kv_fp8=False, sparse=sparse, splits=params.num_splits, tiles=64)
+    assert (bf16["STAGED_LOADERS"], bf16["LOADER_AHEAD"]) == (1, False)  # 16-bit caches keep cp.async
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("loaders", sorted(NARROW_REGISTER_LOADERS))
+@pytest.mark.parametrize("case", ["edge", "long", "sparse"])
+@pytest.mark.parametrize("heads,q_len", [(3, 1), (16, 1), (20, 1), (16, 2), (32, 1)])
+def test_gpu_narrow_fp8_register_loaders(monkeypatch, loaders, case, heads, q_len):
+    # edge lengths (1, 15, 16, 17, 1000, 0 and two that split) on permuted 16-token pages; ragged requests up to
+    # 32768 tokens on 64-token pages (a 0-d scale tensor); top-k 2048 with -1 padded slots
+    from mla_tune.backends.inputs import ragged_lengths
+
+    _narrow_register_loaders(monkeypatch, loaders)
+    sparse = case == "sparse"
+    if case == "edge":
+        lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
+        shape, items, page_size = Shape(len(lens), 5000), 5000, 16
+    elif case == "long":
+        shape, items, page_size = Shape(9, 32768), 32768, 64
+        lens = ragged_lengths(shape, page_size=64, min_len=q_len, seed=11)
+    else:
+        lens, shape, items, page_size = [2048] * 6, Shape(6, 2500), 2048, 64
+    params = _params("fp8_e4m3", heads=heads, q_len=q_len, batch=shape.batch_size, max_items=items, lengths=lens,
+                     sparse=sparse, form="narrow")
+    problem = _gpu_problem("fp8_e4m3", num_heads=heads, page_size=page_size, q_len=q_len,
+                           topk=2048 if sparse else None)
+    r = _run_case(problem, shape, device="cuda", seq_lens=None if sparse else lens, params=params,
+                  scale_tensor=case == "long")
+    assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
+    assert r["rel_err"] < _tol("fp8_e4m3") and r["lse_err"] < 1e-2, r
