@@ -128,8 +128,7 @@ HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8",
                       ("16bit", 64): 16, ("16bit", 128): 4}  # dense only: the smallest batch that is not short
 
 # Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
-# The narrow FP8 form's staged loader warpgroups, by sparse (two: their lookups and gathers run side by side; 0: two
-# register loaders, one per slot, each loading its next tile ahead where LOADER_AHEAD_FORMS names the form).
+# The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
 # Forms whose query every warp loads before the partitions start (elsewhere the MMA warps load it).
 QUERY_BEFORE_PARTITIONS = {("token_split", "fp8", "dense"), ("qk1", "16bit", "dense"), ("qk1", "fp8", "dense")}
@@ -233,8 +232,7 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
 
 def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = False) -> int:
     """The Hopper kernel's `STAGED_LOADERS` (also the arrivals that fill a narrow FP8 slot): `HOPPER_STAGED_LOADERS`
-    in the narrow FP8 form (0: register loaders, one arrival a tile), 1 elsewhere and for fp8_ds_mla rows (two plain
-    loaders, one arrival a tile)."""
+    in the narrow FP8 form, 1 elsewhere and for fp8_ds_mla rows (two plain loaders, one arrival a tile)."""
     if not kv_fp8 or ds_mla or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
         return 1
     return HOPPER_STAGED_LOADERS[sparse]
@@ -256,12 +254,11 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     qk1 = form[0] == "qk1"
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
-    staged = staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla)
-    ahead = by_form and kv_fp8 and (form[0] != "narrow" or staged == 0) and kv_words and not ds_mla
+    ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
     load_regs = HOPPER_LOAD_REGS["ds_mla" if ds_mla else "fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
-        STAGED_LOADERS=staged,
+        STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,

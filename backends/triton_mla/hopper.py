@@ -95,15 +95,15 @@ def _mla_hopper_kernel(
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS and STAGED_LOADERS > 0 else 1)
-                      if KV_FP8 else LOAD_WARPS * 32)
+        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                      else LOAD_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,
                    SPARSE, KV_FP8, DS_MLA)
     if N_ROWS < ROWS:
-        _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS, L2_PREFETCH, LOADER_AHEAD)
+        _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
     elif QK1:
         _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
     else:

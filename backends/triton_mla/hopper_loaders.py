@@ -110,12 +110,10 @@ def _words_to_fp16(w):
 
 
 @gluon.jit
-def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr, FIRST: gl.constexpr = 0,
-                    STRIDE: gl.constexpr = 1):
-    """The FP8 register loader of tiles `FIRST, FIRST + STRIDE, ...` with its next tile's bytes in flight while it
-    waits for that tile's slot: loaded as 32-bit words (72 registers a thread; as e4m3 bytes LLVM keeps each byte in a
-    register of its own) right after the current tile is stored; with `PREFETCH`, the L2 asked for its tile after
-    that (`_prefetch_rows`). It needs
+def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
+    """The FP8 register loader with the next tile's bytes in flight while it waits for that tile's slot: loaded as
+    32-bit words (72 registers a thread; as e4m3 bytes LLVM keeps each byte in a register of its own) right after the
+    current tile is stored; with `PREFETCH`, the L2 asked for the tile after that (`_prefetch_rows`). It needs
     `config.HOPPER_LOAD_REGS["fp8_ahead"]`: with fewer registers its loop spills the loads' destinations and so waits
     for the loads before the slot."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LOAD_WARPS, 1], [1, 0])
@@ -125,15 +123,15 @@ def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr, FIRST: gl
     page_words = src.stride_kvp // 4
     token_words = src.stride_kvt // 4
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, words,
-                         page_words, token_words, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
+    row, ok = _tile_rows(src.start, src.end, src.seq_len, src.topk_row, src.bt_row, words, page_words, token_words,
+                         layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
     xs = _load_chunks(row, ok, cols, 16)
-    row, ok = _tile_rows(src.start + (FIRST + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
-                         words, page_words, token_words, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)  # its next tile
+    row, ok = _tile_rows(src.start + BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, words, page_words,
+                         token_words, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)  # the rows of tile t + 1 on
     if PREFETCH:
-        if FIRST + STRIDE < src.n_tiles:
+        if src.n_tiles > 1:
             _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)
-    for t in range(FIRST, src.n_tiles, STRIDE):
+    for t in range(src.n_tiles):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
         for c in gl.static_range(8):
@@ -141,11 +139,11 @@ def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr, FIRST: gl
         ring.k_rope.index(slot).store(_words_to_fp16(xs[8]))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
-        xs = _load_chunks(row, ok & (t + STRIDE < src.n_tiles), cols, 16)
-        row, ok = _tile_rows(src.start + (t + 2 * STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
-                             words, page_words, token_words, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
+        xs = _load_chunks(row, ok & (t + 1 < src.n_tiles), cols, 16)
+        row, ok = _tile_rows(src.start + (t + 2) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, words,
+                             page_words, token_words, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
         if PREFETCH:
-            if t + 2 * STRIDE < src.n_tiles:
+            if t + 2 < src.n_tiles:
                 _prefetch_rows(row.to(kv_ptr.dtype, bitcast=True), ok, kv_ptr)
 
 
@@ -167,7 +165,8 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
         _load_ds_mla(src, ring, FIRST, STRIDE, PREFETCH)
         return
     if src.KV_FP8 and AHEAD:
-        _load_fp8_ahead(src, ring, PREFETCH, FIRST, STRIDE)
+        gl.static_assert(FIRST == 0 and STRIDE == 1, "LOADER_AHEAD: one loader")
+        _load_fp8_ahead(src, ring, PREFETCH)
         return
     if src.KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])

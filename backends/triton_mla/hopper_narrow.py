@@ -86,15 +86,14 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program):
 
 @gluon.jit
 def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
-                LOAD_REGS: gl.constexpr, L2_PREFETCH: gl.constexpr, LOADER_AHEAD: gl.constexpr):
-    """The narrow form's partitions: p^T's shared memory, the MMA warpgroup as the default partition and the
-    loaders: for an e4m3 cache `STAGED_LOADERS` staged loaders over a staging ring of two half tiles; otherwise two
-    register (FP8: `LOADER_AHEAD` each with its next tile in flight, `L2_PREFETCH`) or cp.async (16-bit) loaders, one
-    per slot."""
+                LOAD_REGS: gl.constexpr):
+    """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
+    warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
+    per slot, for a 16-bit cache or fp8_ds_mla rows, whose loaders also ask the L2 for their tile after next)."""
     mma_dtype: gl.constexpr = gl.float16 if prog.KV_FP8 else prog.q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(mma_dtype, [prog.N_ROWS, prog.BLOCK_N], smem_layout)
-    if prog.KV_FP8 and not src.DS_MLA and STAGED_LOADERS > 0:
+    if prog.KV_FP8 and not src.DS_MLA:
         stage = gl.allocate_shared_memory(src.kv_ptr.dtype.element_ty, [18, prog.BLOCK_N // 2, 64],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if STAGED_LOADERS == 2:
@@ -111,6 +110,6 @@ def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_
     else:
         gl.warp_specialize([
             (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
-            (_load_partition, (src, ring, 0, 2, L2_PREFETCH, LOADER_AHEAD)),
-            (_load_partition, (src, ring, 1, 2, L2_PREFETCH, LOADER_AHEAD))],
+            (_load_partition, (src, ring, 0, 2, src.DS_MLA)),
+            (_load_partition, (src, ring, 1, 2, src.DS_MLA))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
