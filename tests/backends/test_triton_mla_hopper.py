@@ -728,3 +728,86 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
+
+
+def test_the_tma_staging_takes_only_contiguous_rows_in_pages_of_32_tokens_or_more(monkeypatch):
+    from mla_tune.backends.triton_mla import dispatch
+    from mla_tune.backends.triton_mla.dispatch import HOPPER_TILES, hopper_constexprs
+    from mla_tune.backends.triton_mla.launcher import kv_cache_tma_rows
+    from mla_tune.backends.triton_mla.splits import params_from_tile
+
+    cache = torch.empty(8, 64, 576, dtype=torch.float8_e4m3fn)
+    assert kv_cache_tma_rows(cache) and kv_cache_tma_rows(torch.empty(8, 32, 576, dtype=torch.float8_e4m3fn))
+    assert not kv_cache_tma_rows(torch.empty(8, 16, 576, dtype=torch.float8_e4m3fn))   # pages under a half tile
+    assert not kv_cache_tma_rows(torch.empty(8, 64, 577, dtype=torch.float8_e4m3fn)[..., :576])  # strided rows
+    assert not kv_cache_tma_rows(torch.empty(9, 64, 576, dtype=torch.float8_e4m3fn)[1::2])  # pages apart
+    monkeypatch.setattr(dispatch, "NARROW_TMA_STAGED_FORMS", {("narrow", "fp8", "dense")})
+    params = params_from_tile(HOPPER_TILES[32], num_heads=32, q_len=1, batch=4, max_items=4096, lengths=[4096] * 4,
+                              num_sms=132)
+    assert hopper_constexprs(params, kv_fp8=True, sparse=False, splits=1, tma_rows=True)["TMA_STAGE"]
+    assert not hopper_constexprs(params, kv_fp8=True, sparse=False, splits=1, tma_rows=False)["TMA_STAGE"]
+    assert not hopper_constexprs(params, kv_fp8=False, sparse=False, splits=1, tma_rows=True)["TMA_STAGE"]
+    assert not hopper_constexprs(params, kv_fp8=True, sparse=True, splits=1, tma_rows=True)["TMA_STAGE"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [16, 32])
+def test_the_tma_staging_copies_with_the_tma_unit_and_no_cp_async(rows):
+    from offline_compile import hopper_compile
+
+    ptx, smem, _ = hopper_compile(kv="fp8", rows=rows, TMA_STAGE=True)
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global\.mbarrier::complete_tx::bytes", ptx)
+    assert "cp.async.cg" not in ptx and smem <= SMEM_LIMIT
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("case", ["edge", "long"])
+@pytest.mark.parametrize("page_size", [32, 64, 128])
+@pytest.mark.parametrize("heads,q_len", [(3, 1), (16, 1), (20, 1), (16, 2), (32, 1)])
+def test_gpu_narrow_fp8_tma_staging(monkeypatch, case, page_size, heads, q_len):
+    # the narrow FP8 form with its staging filled by the TMA unit: edge lengths (1, 15, 16, 17, 1000, 0 and two that
+    # split) or ragged requests up to 32768 tokens, permuted pages, every cache row past a request's end set to e4m3
+    # NaN (the loader must zero the rows its boxes bring in past the end)
+    from mla_tune.backends.inputs import make_inputs, ragged_lengths
+    from mla_tune.backends.reference import mla_reference
+    from mla_tune.backends.triton_mla import dispatch, launcher, mla_decode
+    from test_triton_mla import _lse_err, _rel_err
+
+    monkeypatch.setattr(dispatch, "NARROW_TMA_STAGED_FORMS", {("narrow", "fp8", "dense")})
+    forms = []
+    hopper_constexprs = launcher.hopper_constexprs
+
+    def recording_hopper_constexprs(*args, **kwargs):
+        forms.append(hopper_constexprs(*args, **kwargs))
+        return forms[-1]
+
+    monkeypatch.setattr(launcher, "hopper_constexprs", recording_hopper_constexprs)
+    if case == "edge":
+        lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777]
+        shape = Shape(len(lens), 5000)
+    else:
+        shape = Shape(9, 32768)
+        lens = ragged_lengths(shape, page_size=page_size, min_len=q_len, seed=11)
+    problem = _gpu_problem("fp8_e4m3", num_heads=heads, page_size=page_size, q_len=q_len)
+    inputs = make_inputs(problem, shape, device="cuda", seed=7)
+    inputs.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    raw = inputs.kv_cache.view(torch.uint8)
+    for b, n in enumerate(lens):  # NaN (0x7f) in every row of the request's pages past its end
+        for i in range(triton_cdiv(max(n, 1), page_size) * page_size - n):
+            pos = n + i
+            raw[inputs.block_table[b, pos // page_size], pos % page_size] = 0x7F
+    params = _params("fp8_e4m3", heads=heads, q_len=q_len, batch=shape.batch_size, max_items=shape.kv_len,
+                     lengths=lens, form="narrow")
+    out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                          kv_scale=inputs.kv_scale, params=params)
+    ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale)
+    assert forms and all(f["TMA_STAGE"] for f in forms), forms
+    seen = torch.isfinite(ref_lse)
+    assert not out.isnan().any() and (out[~seen] == 0).all()
+    assert _rel_err(out[seen], ref_out[seen]) < _tol("fp8_e4m3") and _lse_err(lse[seen], ref_lse[seen]) < 1e-2
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
