@@ -139,8 +139,6 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
-# Narrow FP8 forms whose staging the TMA unit fills (dense caches of contiguous rows, pages a multiple of 32 tokens).
-NARROW_TMA_STAGED_FORMS: set[tuple[str, str, str]] = set()
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -241,7 +239,7 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = Fals
 
 
 def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None,
-                      kv_words: bool = True, ds_mla: bool = False, tma_rows: bool = False) -> dict:
+                      kv_words: bool = True, ds_mla: bool = False) -> dict:
     """The Hopper kernel's constexprs that pick its form, registers and per-form switches for `params`.
 
     Args:
@@ -250,8 +248,6 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         tiles: the most KV tiles a program has (None: not known, as for an offline compile).
         kv_words: the cache's base and strides are whole 32-bit words (`launcher.kv_cache_in_words`), which the
             loader ahead reads it as.
-        tma_rows: the cache is contiguous 576-byte rows in pages of a multiple of 32 tokens
-            (`launcher.kv_cache_tma_rows`), which the TMA staging copies.
     """
     kv_fp8 = kv_fp8 or ds_mla
     form = (params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense")
@@ -266,5 +262,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla,
-        TMA_STAGE=form in NARROW_TMA_STAGED_FORMS and tma_rows and kv_fp8 and not sparse and not ds_mla)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla)

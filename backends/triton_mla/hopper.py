@@ -48,7 +48,7 @@ def _mla_hopper_kernel(
     MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False, QUERY_IN_CONSUMER: gl.constexpr = False,
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
-    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, TMA_STAGE: gl.constexpr = False, kv_desc=None,
+    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -103,7 +103,7 @@ def _mla_hopper_kernel(
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,
                    SPARSE, KV_FP8, DS_MLA)
     if N_ROWS < ROWS:
-        _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS, kv_desc, TMA_STAGE)
+        _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
     elif QK1:
         _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
     else:

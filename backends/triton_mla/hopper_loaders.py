@@ -12,14 +12,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
 # Triton 3.8 renamed `cp.async`'s builtin to async_load (3.9 removed the old name; 3.6-3.7 have only the old)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# and TMA's to async_load (3.6 has only async_copy_global_to_shared)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# and the CTA barrier to barrier (3.6: thread_barrier)
-_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 from mla_tune.backends.problem import DS_MLA_BYTES
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _tile_positions
@@ -244,48 +240,6 @@ def _load_partition_staged(src: KvSource, ring: Ring, stage, FIRST_HALF: gl.cons
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
     async_copy.wait_group(0)  # the copies past the end (zero-filled, no reads) before the program exits
-
-
-@gluon.jit
-def _tma_stage_half(src: KvSource, kv_desc, stage, bar, n0, half: gl.constexpr, HALF: gl.constexpr):
-    """TMA copies of the half tile of items `n0 .. n0 + HALF` (nine `[HALF, 64]` boxes of its page's rows; a half
-    past the end copies page 0's rows, which the loader then zeroes) into staging half `half`, completing on `bar`."""
-    page = gl.load(src.bt_row + n0 // src.PAGE_SIZE, mask=n0 < src.end, other=0)
-    row0 = page * src.PAGE_SIZE + n0 % src.PAGE_SIZE
-    mbarrier.expect(bar, 9 * HALF * 64)
-    for c in gl.static_range(9):
-        _tma_load(kv_desc, [row0, c * 64], bar, stage.index(half * 9 + c))
-
-
-@gluon.jit
-def _load_partition_tma_staged(src: KvSource, ring: Ring, stage, stage_bars, kv_desc):
-    """The narrow form's FP8 loader with TMA staging (dense caches whose pages are contiguous 576-byte rows, a
-    multiple of 32 tokens): each half tile's rows are copied by the TMA unit into a staging half a tile ahead, then
-    loaded, their rows past the end zeroed, cast to fp16 and stored into the slot."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    HALF: gl.constexpr = src.BLOCK_N // 2
-    rows: gl.constexpr = gl.SliceLayout(1, layout)
-    for j in gl.static_range(2):
-        _tma_stage_half(src, kv_desc, stage, stage_bars.index(j), src.start + j * HALF, j, HALF)
-    for t in range(src.n_tiles):
-        slot = t % ring.STAGES
-        mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        for j in gl.static_range(2):
-            n0 = src.start + (2 * t + j) * HALF
-            pos, ok = _tile_positions(n0, src.end, src.seq_len, src.topk_row, rows, HALF, src.SPARSE)
-            mbarrier.wait(stage_bars.index(j), t & 1)
-            xs = _cast_chunks(_staged_chunks(stage, j, layout))
-            _thread_barrier()  # every thread's loads of the half before the TMA unit overwrites it
-            fence_async_shared()
-            _tma_stage_half(src, kv_desc, stage, stage_bars.index(j), n0 + 2 * HALF, j, HALF)
-            dst_lat = ring.k_lat.index(slot).slice(j * HALF, HALF, dim=0)
-            for c in gl.static_range(8):
-                dst_lat.slice(c * 64, 64, dim=1).store(gl.where(ok[:, None], xs[c], 0.0))
-            ring.k_rope.index(slot).slice(j * HALF, HALF, dim=0).store(gl.where(ok[:, None], xs[8], 0.0))
-        fence_async_shared()
-        mbarrier.arrive(ring.full_bars.index(slot))
-    for j in gl.static_range(2):
-        mbarrier.wait(stage_bars.index(j), src.n_tiles & 1)  # the copies past the end, before the program exits
 
 
 @gluon.jit

@@ -18,8 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, KvSource, Program, Ring, _full_slot, _inv_sums, _lse, _rows, _store_out, _store_query,
     _tile_positions)
-from mla_tune.backends.triton_mla.hopper_loaders import (
-    _load_partition, _load_partition_staged, _load_partition_tma_staged)
+from mla_tune.backends.triton_mla.hopper_loaders import _load_partition, _load_partition_staged
 
 
 @gluon.jit
@@ -87,24 +86,14 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program):
 
 @gluon.jit
 def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
-                LOAD_REGS: gl.constexpr, kv_desc=None, TMA_STAGE: gl.constexpr = False):
+                LOAD_REGS: gl.constexpr):
     """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
     warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
     per slot, for a 16-bit cache or fp8_ds_mla rows, whose loaders also ask the L2 for their tile after next)."""
     mma_dtype: gl.constexpr = gl.float16 if prog.KV_FP8 else prog.q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(mma_dtype, [prog.N_ROWS, prog.BLOCK_N], smem_layout)
-    if TMA_STAGE:
-        stage = gl.allocate_shared_memory(src.kv_ptr.dtype.element_ty, [18, prog.BLOCK_N // 2, 64],
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-        stage_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(2):
-            mbarrier.init(stage_bars.index(j), count=1)
-        gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
-            (_load_partition_tma_staged, (src, ring, stage, stage_bars, kv_desc))],
-            [LOAD_WARPS], [LOAD_REGS])
-    elif prog.KV_FP8 and not src.DS_MLA:
+    if prog.KV_FP8 and not src.DS_MLA:
         stage = gl.allocate_shared_memory(src.kv_ptr.dtype.element_ty, [18, prog.BLOCK_N // 2, 64],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if STAGED_LOADERS == 2:

@@ -23,24 +23,6 @@ def kv_cache_in_words(kv_cache: torch.Tensor) -> bool:
             and (kv_cache.stride(1) * size) % 4 == 0)
 
 
-def kv_cache_tma_rows(kv_cache: torch.Tensor) -> bool:
-    """Whether `kv_cache` (`[pages, page_size, 576]`) is one contiguous block of 576-element rows from a 16-byte
-    aligned address in pages of a multiple of 32 tokens: the TMA staging copies a half tile's rows as one box."""
-    pages, page_size, width = kv_cache.shape
-    return (kv_cache.data_ptr() % 16 == 0 and width == D_LATENT + D_ROPE and page_size % 32 == 0
-            and kv_cache.stride() == (page_size * width, width, 1))
-
-
-def _kv_descriptor(kv_cache: torch.Tensor):
-    """The TMA descriptor of `kv_cache`'s rows, `[32, 64]` boxes of e4m3 bytes, unswizzled (the staging layout)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    rows = kv_cache.view(-1, kv_cache.shape[-1])
-    return TensorDescriptor.from_tensor(rows, [32, 64], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8,
-                                                                              rank=2))
-
-
 def _destinations(out, lse, workspace: Workspace | None, splits: int) -> tuple:
     """(stage-1 output, its 4 strides, stage-1 LSE, its 4 strides): the split partials, or with one split the
     final outputs (split stride 0)."""
@@ -160,8 +142,6 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
-                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla,
-                             tma_rows=not ds_mla and kv_cache_tma_rows(kv_cache))
-    kv_desc = _kv_descriptor(kv_cache) if form["TMA_STAGE"] else None
-    return hopper._mla_hopper_kernel[grid](*args, **common, **form, kv_desc=kv_desc, num_warps=params.num_warps,
+                             splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
+    return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)

@@ -79,18 +79,9 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
                  **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1, ds_mla=ds_mla))
     const.update(overrides)
-    if not const.get("TMA_STAGE"):
-        const["kv_desc"] = None
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
-    if const.get("TMA_STAGE"):  # the launcher's descriptor (`launcher._kv_descriptor`), as Triton names its type
-        import torch
-        from triton.runtime.jit import mangle_type
-
-        from mla_tune.backends.triton_mla.launcher import _kv_descriptor
-
-        signature["kv_desc"] = mangle_type(_kv_descriptor(torch.empty(2, 64, 576, dtype=torch.float8_e4m3fn)))
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
