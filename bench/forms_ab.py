@@ -50,7 +50,8 @@ def parse_switches(text: str) -> list[tuple[str, object]]:
     switches = []
     for part in filter(str.strip, text.split(";")):
         name, _, expr = part.partition("=")
-        switches.append((name.strip(), eval(expr.strip(), vars(dispatch).copy())))  # noqa: S307 - the operator's own expression
+        # eval: the operator's own expression, run in their own process
+        switches.append((name.strip(), eval(expr.strip(), vars(dispatch).copy())))  # noqa: S307
     return switches
 
 
