@@ -24,11 +24,8 @@ class MinBatch:
     sparse: int | None
     dense_min_items: int = 0  # dense: only where the longest request has at least this many tokens
 
-    def of(self, *, sparse: bool) -> int | None:
-        return self.sparse if sparse else self.dense
-
     def takes(self, *, batch: int, max_items: int, sparse: bool) -> bool:
-        min_batch = self.of(sparse=sparse)
+        min_batch = self.sparse if sparse else self.dense
         return min_batch is not None and batch >= min_batch and (sparse or max_items >= self.dense_min_items)
 
 
