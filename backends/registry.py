@@ -19,6 +19,7 @@ class BackendName(str, enum.Enum):
 
     MLA_TUNE_TRITON = "MLA_TUNE_TRITON"
     MLA_TUNE_TRITON_SPARSE = "MLA_TUNE_TRITON_SPARSE"
+    MLA_TUNE_TRITON_FP8Q = "MLA_TUNE_TRITON_FP8Q"
     TRITON_MLA = "TRITON_MLA"
     FLASHINFER_MLA = "FLASHINFER_MLA"
     FLASHINFER_MLA_SPARSE = "FLASHINFER_MLA_SPARSE"
@@ -197,6 +198,13 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         adapter="mla_tune.backends.triton_mla.adapter:TritonMLASparse",
         vllm_plugin_name="MLA_TUNE_TRITON_SPARSE",
         summary="mla-tune's Triton sparse (top-k) decode kernel"),
+    BackendInfo(
+        "MLA_TUNE_TRITON_FP8Q",
+        # The narrow Hopper form with e4m3 products (wgmma, SM90): an e4m3 cache, q and p rounded to e4m3.
+        Capabilities(**{**_TRITON, "kv_cache_dtypes": frozenset({"fp8_e4m3"}), "min_cc": (9, 0)},
+                     cc_majors=frozenset({9}), fp8_quantizes_query=True, page_size_multiple=16),
+        adapter="mla_tune.backends.triton_mla.adapter:TritonMLAFp8Query",
+        summary="mla-tune's Hopper decode kernel on FP8 tensor cores (q and p rounded to e4m3)"),
     BackendInfo(
         "TORCH_REFERENCE",
         Capabilities(kv_cache_dtypes=_WITH_FP8 | {"fp8_ds_mla"}, dense=True, sparse=True, kv_lora_ranks=None,

@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels  # noqa: E402 - bench/kernels.py, beside this script
 
-def variant_name(i: int) -> str:
-    """The i-th --set's backend column: MLA_TUNE_TRITON:B, :C, ..."""
-    return f"MLA_TUNE_TRITON:{chr(ord('B') + i)}"
+def variant_name(i: int, ours: str | None = None) -> str:
+    """The i-th --set's backend column: MLA_TUNE_TRITON:B, :C, ... (or --ours's name)."""
+    return f"{ours or 'MLA_TUNE_TRITON'}:{chr(ord('B') + i)}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", dest="switches", action="append", required=True,
                    help="NAME=EXPR[; NAME=EXPR ...]: one variant's dispatch switches (repeat for more variants)")
     p.add_argument("--form", default="qk1", help="only shapes whose default tile is of this kernel form")
+    p.add_argument("--ours", default=None, help="the backend of variant A and the --set variants (default: "
+                   "MLA_TUNE_TRITON, or MLA_TUNE_TRITON_SPARSE on sparse shapes)")
     p.add_argument("--others", default="FLASHMLA,FLASH_ATTN_MLA", help="vLLM's kernels timed beside (dense names; "
                    "the sparse ones are added for sparse shapes)")
     args, rest = p.parse_known_args(argv)
@@ -97,8 +99,8 @@ class SwitchedRunner:
             adopt(inputs)
 
 
-def ours_of(shape) -> str:
-    return "MLA_TUNE_TRITON_SPARSE" if shape[4] else "MLA_TUNE_TRITON"
+def ours_of(shape, args) -> str:
+    return args.ours or ("MLA_TUNE_TRITON_SPARSE" if shape[4] else "MLA_TUNE_TRITON")
 
 
 def run_shape(shape, args, env) -> list[dict]:
@@ -109,12 +111,12 @@ def run_shape(shape, args, env) -> list[dict]:
 
     kv, heads, batch, kv_len, topk = shape
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=args.page_size, topk=topk)
-    ours = ours_of(shape)
+    ours = ours_of(shape, args)
     others = [n.strip() + ("_SPARSE" if topk else "") for n in args.others.split(",") if n.strip()]
     inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch)
     base = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-",
                 checked=f"{min(batch, args.check_requests)}/{batch}")
-    variants = [(variant_name(i), ours, lambda s=switches: SwitchedRunner.prepare(ours, problem, inputs, s))
+    variants = [(variant_name(i, args.ours), ours, lambda s=switches: SwitchedRunner.prepare(ours, problem, inputs, s))
                 for i, switches in enumerate(args.variants)]
     rows, prepared = kernels._prepare_and_check(problem, inputs, [ours, *others], args, env, base, extra=variants)
     if ours not in prepared or prepared[ours][0].params.kernel_form != args.form:
@@ -136,19 +138,19 @@ def main(argv=None) -> int:
     env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
     env["matmul_tflops"] = timing.measure_matmul_tflops()
     for i, switches in enumerate(args.variants):
-        print(f"# forms_ab: variant {variant_name(i)}: " + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
+        print(f"# forms_ab: variant {variant_name(i, args.ours)}: " + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
     print("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
     print("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
     print(kernels.HEADER)
-    logs = {variant_name(i): [] for i in range(len(args.variants))}
+    logs = {variant_name(i, args.ours): [] for i in range(len(args.variants))}
     for shape in kernels.grid(args):
         rows = run_shape(shape, args, env)
         for r in rows:
             print(kernels.format_row(r), flush=True)
         times = {r["backend"]: r["median_us"] for r in rows if r.get("median_us")}
         for name, log in logs.items():
-            if name in times and ours_of(shape) in times:
-                log.append(math.log(times[ours_of(shape)] / times[name]))
+            if name in times and ours_of(shape, args) in times:
+                log.append(math.log(times[ours_of(shape, args)] / times[name]))
                 print(f"# {shape}: A / {name[-1]} = {math.exp(log[-1]):.3f}", flush=True)
     for name, log in logs.items():
         if log:

@@ -10,7 +10,7 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.config import D_LATENT, PARAM_SPACE, LaunchParams, Tile, cc_major, sm_count
-from mla_tune.backends.triton_mla.dispatch import candidate_tiles
+from mla_tune.backends.triton_mla.dispatch import candidate_tiles, fp8_query_tile
 from mla_tune.backends.triton_mla.launcher import launch
 from mla_tune.backends.triton_mla.splits import params_for
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -150,3 +150,24 @@ class TritonMLASparse(TritonMLA):
 
     name: ClassVar[str] = "MLA_TUNE_TRITON_SPARSE"
     sparse: ClassVar[bool] = True
+
+
+class TritonMLAFp8Query(TritonMLA):
+    """The narrow Hopper form on FP8 tensor cores (`LaunchParams.fp8_query`): an e4m3 cache, the query and p rounded
+    to e4m3, as FlashMLA does on an FP8 cache. Dense, SM90; a backend of its own, so an operator can leave it out."""
+
+    name: ClassVar[str] = "MLA_TUNE_TRITON_FP8Q"
+    vllm_launch = None  # no vLLM backend runs it
+
+    def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
+        if self.params is not None:
+            return self.params
+        device, lengths = inputs.q.device, self._lengths(problem, inputs)
+        tile = self.tile or fp8_query_tile(num_heads=problem.num_heads, q_len=problem.q_len)
+        return params_for(tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device)),
+                          num_sms=sm_count(device), lengths=lengths)
+
+    def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
+        """Its one tile (`dispatch.fp8_query_tile`)."""
+        tile = fp8_query_tile(num_heads=problem.num_heads, q_len=problem.q_len)
+        return [(tile, TritonMLAFp8Query(tile=tile).choose_params(problem, inputs))]

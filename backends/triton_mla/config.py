@@ -65,14 +65,17 @@ HOPPER_TOKEN_SPLIT_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=8, num_
 # Narrow form for 16 or 32 rows: one MMA warpgroup on transposed products, one or two loader warpgroups.
 HOPPER_NARROW_SHAPES = {32: HopperShape(block_h=32, block_n=64, num_warps=4, num_stages=2, warps_run=12),
                         16: HopperShape(block_h=16, block_n=64, num_warps=4, num_stages=2, warps_run=12)}
+# The narrow form on e4m3 tensor cores (`fp8_query`): e4m3 slots and their v^T (68 KiB a slot) leave room for three.
+HOPPER_FP8_QUERY_SHAPES = {rows: dataclasses.replace(shape, num_stages=3) for rows, shape in HOPPER_NARROW_SHAPES.items()}
 # The qk1 form: launched with 4 warps (warpgroup 0, which scores); warpgroup 1 and the loader are workers.
 HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2, warps_run=12)
 # The Hopper shape by rows bucket (16 and 32: narrow; 64: token-split).
 HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
-WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE))
+WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE,
+                                                  *HOPPER_FP8_QUERY_SHAPES.values()))
 # 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers; `setmaxnreg` then rebalances them.
 HOPPER_MAXNREG = 168
-HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120}
+HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 112}
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
@@ -107,6 +110,8 @@ class LaunchParams:
         opaque_v_cast: FP8 V reload cast by an inline-asm `cvt`, so V reaches the MMA through `ldmatrix.trans`.
         warp_specialized: run the Gluon Hopper kernel (`hopper.py`, SM90 only) in the form its shape names
             (`WARP_SPECIALIZED_SHAPES`); the tl-only fields must stay at their defaults.
+        fp8_query: (the narrow Hopper form on an e4m3 cache) the query and p rounded to e4m3 and every product on
+            FP8 tensor cores (`hopper_fp8_query.py`); less accurate, so a backend of its own.
     """
 
     block_h: int = 64
@@ -124,6 +129,7 @@ class LaunchParams:
     opaque_v_cast: bool = False
     warp_specialized: bool = False
     split_per_request: bool = False
+    fp8_query: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
@@ -139,6 +145,8 @@ class LaunchParams:
                 raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
                                  f"{' or '.join(map(str, WARP_SPECIALIZED_SHAPES))} only (227 KiB of shared memory), "
                                  f"got {shape}")
+        if self.fp8_query and not (self.warp_specialized and self.block_h < HOPPER_TOKEN_SPLIT_SHAPE.block_h):
+            raise ValueError("fp8_query runs on the narrow Hopper form only (warp_specialized, block_h 16 or 32)")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"
@@ -146,7 +154,7 @@ class LaunchParams:
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
                 f"{'o' if self.opaque_v_cast else ''}{'W' if self.warp_specialized else ''}"
-                f"x{self.num_splits}{'L' if self.split_per_request else ''}")
+                f"{'Q' if self.fp8_query else ''}x{self.num_splits}{'L' if self.split_per_request else ''}")
 
     @property
     def kernel_form(self) -> str:
@@ -183,6 +191,7 @@ class Tile:
     split_scores: bool = False
     opaque_v_cast: bool = False
     warp_specialized: bool = False
+    fp8_query: bool = False
 
     def replace(self, **changes) -> Tile:
         return dataclasses.replace(self, **changes)

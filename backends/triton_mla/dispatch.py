@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
-    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE,
+    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE,
     HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile, packed_rows,
     rows_bucket)
 
@@ -201,6 +201,13 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
     return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
 
 
+def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
+    """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form, 16 rows for up to 16
+    packed rows, 32 above (64 and 128 rows run two and four row blocks over each KV tile)."""
+    bucket = 16 if packed_rows(num_heads, q_len, sparse=False) <= 16 else 32
+    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
+
+
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                     kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
@@ -252,11 +259,12 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
-    load_regs = HOPPER_LOAD_REGS["ds_mla" if ds_mla else "fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
+    load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
+                                 else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

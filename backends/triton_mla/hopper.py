@@ -23,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, hopper_smem_bytes)
+from mla_tune.backends.triton_mla.hopper_fp8_query import _run_fp8q
 from mla_tune.backends.triton_mla.hopper_narrow import _run_narrow
 from mla_tune.backends.triton_mla.hopper_qk1 import _run_qk1
 from mla_tune.backends.triton_mla.hopper_token_split import _run_token_split
@@ -48,7 +49,7 @@ def _mla_hopper_kernel(
     MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False, QUERY_IN_CONSUMER: gl.constexpr = False,
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
-    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False,
+    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -71,7 +72,7 @@ def _mla_hopper_kernel(
     if KV_SCALE_IS_PTR:
         kv_scale = gl.load(kv_scale_ptr).to(gl.float32)
     qk_scale = sm_scale_log2 * kv_scale
-    if KV_FP8:
+    if KV_FP8 and not FP8_QUERY:
         qk_scale = qk_scale / q_scale  # the query was scaled by q_scale before its fp16 rounding
     # The MMA warps fence a full slot for wgmma after cp.async (16-bit); FP8 loaders fence their own stores.
     FENCE_SLOTS: gl.constexpr = CONSUMER_FENCE or not KV_FP8
@@ -80,31 +81,36 @@ def _mla_hopper_kernel(
                    stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN, SPARSE, N_ROWS, BLOCK_N, STAGES,
                    KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, PARTIAL_EVICT_LAST)
 
-    # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
-    # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.
-    mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
-    q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
-    if not QUERY_IN_CONSUMER:
-        _store_query(prog, q_lat, q_rope, gl.num_warps())
-
-    k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
-    k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
-    full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
-        mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
-                      else LOAD_WARPS * 32)
-        mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
-    ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,
                    SPARSE, KV_FP8, DS_MLA)
-    if N_ROWS < ROWS:
-        _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
-    elif QK1:
-        _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
+    if FP8_QUERY:  # e4m3 products (`hopper_fp8_query.py`): slots, query and barriers of its own
+        gl.static_assert(N_ROWS < ROWS and KV_FP8 and not DS_MLA and not SPARSE,
+                         "FP8_QUERY: the narrow form, dense, on an e4m3 cache")
+        _run_fp8q(src, prog, LOAD_REGS)
     else:
-        _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)
+        # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
+        # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.
+        mma_dtype: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_lat = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 512], smem_layout)
+        q_rope = gl.allocate_shared_memory(mma_dtype, [N_ROWS, 64], smem_layout)
+        if not QUERY_IN_CONSUMER:
+            _store_query(prog, q_lat, q_rope, gl.num_warps())
+
+        k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
+        k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
+        full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
+            mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
+                          else LOAD_WARPS * 32)
+            mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
+        ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
+        if N_ROWS < ROWS:
+            _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
+        elif QK1:
+            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
+        else:
+            _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

@@ -147,10 +147,13 @@ class Ring:
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False,
-                      ds_mla: bool = False) -> int:
+                      ds_mla: bool = False, fp8_query: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
-    the rescale factors a slot and the row sums (p itself goes over the slot's rope columns)."""
+    the rescale factors a slot and the row sums (p itself goes over the slot's rope columns); with `fp8_query`,
+    e4m3 query, slots, each slot's v^T and p."""
+    if fp8_query:
+        return rows * 576 + stages * block_n * (576 + 512) + rows * block_n
     narrow = rows < ROWS.value
     return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
             + (block_n * 576 if narrow and kv_fp8 and not ds_mla else 0) + ((stages + 1) * rows * 4 if qk1 else 0))

@@ -55,9 +55,13 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     page_size = kv_cache.shape[1]
     sparse = topk_indices is not None
     ds_mla = is_ds_mla(kv_cache)
+    if ds_mla and params.fp8_query:
+        raise ValueError("fp8_query multiplies e4m3 operands: it needs a float8_e4m3fn cache, got fp8_ds_mla rows")
     if ds_mla:
         _check_ds_mla(params, kv_cache)
         kv_cache, kv_scale = kv_cache.view(torch.float8_e4m3fn), None  # the e4m3 bytes; scales are read per row
+    if params.fp8_query and kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_query multiplies e4m3 operands: it needs a float8_e4m3fn cache, got {kv_cache.dtype}")
     kv_cast = kv_cache.dtype != q.dtype
     scale_is_ptr = isinstance(kv_scale, torch.Tensor)
     scale_value = 1.0 if kv_scale is None or scale_is_ptr else float(kv_scale)

@@ -1,0 +1,190 @@
+"""MLA_TUNE_TRITON_FP8Q: the narrow Hopper form on FP8 tensor cores (`hopper_fp8_query.py`, `LaunchParams.fp8_query`).
+
+CPU: what the launch parameters, the launcher and the registry accept; marked `slow`, the form compiles for sm_90a
+offline with e4m3 wgmma only and no cast of the tiles. GPU (marker `gpu`, Hopper only): against the float32
+reference (the gate's FP8-query limit) and, tighter, against the reference run on the query rounded the way the
+kernel rounds it, so what is left is the rounding of p.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from mla_tune.backends.inputs import make_inputs  # noqa: E402
+from mla_tune.backends.problem import DeviceSpec, Problem, Shape  # noqa: E402
+from mla_tune.backends.reference import mla_reference  # noqa: E402
+
+H100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
+
+
+def test_fp8_query_runs_on_the_narrow_hopper_form_only():
+    from mla_tune.backends.triton_mla import LaunchParams
+
+    LaunchParams(block_h=32, block_n=64, num_warps=4, num_stages=2, warp_specialized=True, fp8_query=True)
+    for fields in (dict(block_h=64, block_n=64, num_warps=8, num_stages=2, warp_specialized=True),
+                   dict(block_h=16, block_n=32, num_warps=4, num_stages=2)):
+        with pytest.raises(ValueError, match="narrow Hopper form only"):
+            LaunchParams(**fields, fp8_query=True)
+
+
+def test_fp8_query_tile_is_the_narrow_form_for_any_head_count():
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
+
+    for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (64, 1, 32), (128, 2, 32)):
+        tile = fp8_query_tile(num_heads=heads, q_len=q_len)
+        assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
+def test_the_launcher_refuses_fp8_query_without_an_e4m3_cache(kv):
+    from mla_tune.backends.triton_mla import LaunchParams, mla_decode
+
+    problem = Problem(num_heads=16, kv_cache_dtype="fp8_e4m3" if kv == "fp8_ds_mla" else kv, page_size=64)
+    inputs = make_inputs(problem, Shape(2, 100))
+    kv_cache, kv_scale = inputs.kv_cache, inputs.kv_scale
+    if kv == "fp8_ds_mla":
+        from mla_tune.backends.vllm_kernels.flashmla import pack_fp8_ds_mla
+
+        kv_cache, kv_scale = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale), None
+    params = LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=2, warp_specialized=True, fp8_query=True)
+    with pytest.raises(ValueError, match="needs a float8_e4m3fn cache"):
+        mla_decode(inputs.q, kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                   kv_scale=kv_scale, params=params)
+
+
+def test_the_fp8_query_backend_is_its_own_candidate_on_hopper_fp8_dense():
+    from mla_tune.backends.registry import BACKENDS, backend_reasons
+    from mla_tune.tuner.gate import quantizes_query, rel_error_limit
+
+    fp8 = Problem(num_heads=64, kv_cache_dtype="fp8_e4m3", page_size=64)
+    assert backend_reasons("MLA_TUNE_TRITON_FP8Q", fp8, H100) == []
+    assert quantizes_query("MLA_TUNE_TRITON_FP8Q", "fp8_e4m3") and not quantizes_query("MLA_TUNE_TRITON", "fp8_e4m3")
+    assert rel_error_limit("fp8_e4m3", fp8_query=True) > rel_error_limit("fp8_e4m3")
+    assert BACKENDS["MLA_TUNE_TRITON_FP8Q"].capabilities.candidate
+    refused = [(Problem(num_heads=64, kv_cache_dtype="bf16", page_size=64), H100),
+               (Problem(num_heads=64, kv_cache_dtype="fp8_e4m3", page_size=64, topk=2048), H100),
+               (fp8, DeviceSpec("NVIDIA A100-SXM4-80GB", (8, 0))),
+               (fp8, DeviceSpec("NVIDIA B200", (10, 0)))]
+    for problem, device in refused:
+        assert backend_reasons("MLA_TUNE_TRITON_FP8Q", problem, device), (problem, device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows,q_len", [(16, 1), (32, 1), (32, 2)])
+def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(rows, q_len):
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+
+    ptx, smem, report = hopper_compile(kv="fp8", rows=rows, q_len=q_len, FP8_QUERY=True, STAGES=3)
+    # per tile: the scores 2 + 16 k-steps of 32 (rope, latent), o^T = v^T p^T 8 m-blocks x 2 k-steps; nothing in fp16
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
+    assert mmas and set(mmas) == {(f"m64n{rows}k32", "e4m3", "e4m3")} and len(mmas) == 34, mmas[:3]
+    # the loaders copy e4m3 bytes (cp.async) and store v^T four tokens to a 32-bit word; the only e4m3 -> fp16
+    # casts are p's, for the row sums (16 or 8 values a thread, two a cast)
+    assert "cp.async.cg.shared.global" in ptx and "st.shared.b32" in ptx
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == rows // 4
+    # three slots of e4m3 tokens and their v^T
+    assert hopper_smem_bytes(block_n=64, stages=3, rows=rows, fp8_query=True) <= smem <= 227 * 1024, smem
+    # none with Triton 3.6 (what the GPU runs), 8 bytes with 3.9
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 64, report
+
+
+# ---------------------------------------------------------------- GPU (Hopper)
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+hopper_only = pytest.mark.skipif(not _hopper(), reason="the FP8-query form needs an SM90 GPU")
+
+
+def _round_query_like_the_kernel(q: torch.Tensor) -> torch.Tensor:
+    """q with each (token, head) row times 448 / max |row|, rounded to e4m3 and scaled back."""
+    q32 = q.float()
+    amax = q32.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    return ((q32 * scale).to(torch.float8_e4m3fn).float() / scale).to(q.dtype)
+
+
+def _rel(a, b) -> float:
+    return float(torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float()))
+
+
+def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0) -> dict:
+    from mla_tune.backends.triton_mla import mla_decode
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
+    from mla_tune.backends.triton_mla.splits import params_from_tile
+
+    problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len)
+    inputs = make_inputs(problem, shape, device="cuda", seed=11)
+    inputs.q = inputs.q * q_mult
+    if lens is not None:
+        inputs.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    lengths = inputs.seq_lens.tolist()
+    params = params_from_tile(fp8_query_tile(num_heads=heads, q_len=q_len), num_heads=heads, q_len=q_len,
+                              batch=shape.batch_size, max_items=max(max(lengths), 1), sparse=False, lengths=lengths,
+                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    if splits is not None:
+        from dataclasses import replace
+
+        params = replace(params, num_splits=splits, split_items=0)
+    out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                          kv_scale=inputs.kv_scale, params=params)
+    ref = dict(block_table=inputs.block_table, seq_lens=inputs.seq_lens, sm_scale=inputs.sm_scale,
+               kv_scale=inputs.kv_scale)
+    ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, **ref)
+    rq_out, rq_lse = mla_reference(_round_query_like_the_kernel(inputs.q), inputs.kv_cache, **ref)
+    seen = torch.isfinite(ref_lse)
+    return {
+        "params": params.label(),
+        "rel_err": _rel(out[seen], ref_out[seen]),
+        "lse_err": float((lse[seen] - ref_lse[seen]).abs().max()),
+        "rel_err_rounded_q": _rel(out[seen], rq_out[seen]),
+        "lse_err_rounded_q": float((lse[seen] - rq_lse[seen]).abs().max()),
+        "rounding_lse_err": float((rq_lse[seen] - ref_lse[seen]).abs().max()),
+        "nan": bool(out.isnan().any() or lse.isnan().any()),
+        "unseen_rows_ok": bool((out[~seen] == 0).all() and (lse[~seen] == -math.inf).all()),
+    }
+
+
+def _assert_close(r: dict) -> None:
+    from mla_tune.tuner.gate import FP8_QUERY_REL_ERROR_LIMIT
+
+    assert not r["nan"] and r["unseen_rows_ok"], r
+    # the lse of a request of one or a few tokens moves by the query's rounding alone (up to ~0.1 here), so the lse
+    # is held to what that rounding does
+    assert r["rel_err"] < FP8_QUERY_REL_ERROR_LIMIT and r["lse_err"] < r["rounding_lse_err"] + 1e-2, r
+    # with the query rounded as the kernel rounds it, what is left is p's rounding to e4m3
+    assert r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_fp8_query_edge_lengths(q_len, heads, page_size):
+    # lengths 1, 15, 16, 17, 1000, 0 and two long ones that split, permuted pages, odd head counts
+    lens = [max(n, q_len) if n else 0 for n in (1, 15, 16, 17, 1000, 0)] + [5000, 777]
+    _assert_close(_fp8_query_case(heads, q_len, page_size, Shape(len(lens), 5000), lens=lens))
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (32, 64, 16384), (128, 8, 4096), (64, 3, 3001)])
+def test_gpu_fp8_query_long(heads, batch, kv_len):
+    _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len)))
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gpu_fp8_query_one_split_of_many_tiles_and_a_large_query():
+    # 47 tiles in one program (both slots wrap their barrier phases), |q| ~ 3e4 (the per-row scale)
+    _assert_close(_fp8_query_case(64, 1, 64, Shape(3, 3000), lens=[3000, 17, 2999], splits=1, q_mult=3e4))
