@@ -201,8 +201,7 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
     return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
 
 
-FP8_QUERY_EARLY_RELEASE = False
-FP8_QUERY_COPY_AHEAD = False
+FP8_QUERY_PREFETCH = 0
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
@@ -272,5 +271,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        FP8_QUERY_EARLY_RELEASE=params.fp8_query and FP8_QUERY_EARLY_RELEASE,
-        FP8_QUERY_COPY_AHEAD=params.fp8_query and FP8_QUERY_COPY_AHEAD)
+        FP8_QUERY_PREFETCH=FP8_QUERY_PREFETCH if params.fp8_query else 0)

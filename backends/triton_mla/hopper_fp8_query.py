@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring, _rows, _tile_positions
-from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
+from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _prefetch_rows, _tile_rows
 from mla_tune.backends.triton_mla.hopper_narrow import _narrow_epilogue
 
 E4M3_MAX = gl.constexpr(448.0)
@@ -49,10 +49,8 @@ def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
 
 
 @gluon.jit
-def _fp8q_mma(q_lat, q_rope, ring: Ring, v_t, v_empty, p_smem, prog: Program, EARLY_RELEASE: gl.constexpr):
-    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, as `hopper_narrow._narrow_mma`, every product e4m3. With
-    `EARLY_RELEASE` a slot's tokens are released once the scores have read them (`ring.empty_bars`), its `v^T` after
-    `p @ v` (`v_empty`); otherwise both after `p @ v`."""
+def _fp8q_mma(q_lat, q_rope, ring: Ring, v_t, p_smem, prog: Program):
+    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, as `hopper_narrow._narrow_mma`, every product e4m3."""
     N_ROWS: gl.constexpr = prog.N_ROWS
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -75,8 +73,6 @@ def _fp8q_mma(q_lat, q_rope, ring: Ring, v_t, v_empty, p_smem, prog: Program, EA
         s = warpgroup_mma(ring.k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(ring.k_lat.index(slot), q_lat.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if EARLY_RELEASE:
-            mbarrier.arrive(ring.empty_bars.index(slot))
         visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
         s = gl.where(visible, s * col_scale[None, :], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))
@@ -90,10 +86,7 @@ def _fp8q_mma(q_lat, q_rope, ring: Ring, v_t, v_empty, p_smem, prog: Program, EA
         acc = acc * alpha[None, :]
         acc = warpgroup_mma(v_t.index(slot), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if EARLY_RELEASE:
-            mbarrier.arrive(v_empty.index(slot))
-        else:
-            mbarrier.arrive(ring.empty_bars.index(slot))
+        mbarrier.arrive(ring.empty_bars.index(slot))
     # acc and the row sums both carry p's 2^8
     _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_acc * (1.0 / 256.0), prog, s_layout)
 
@@ -114,60 +107,43 @@ def _fp8q_copy(src: KvSource, ring: Ring, t, row, ok, layout: gl.constexpr, rope
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, v_empty, FIRST: gl.constexpr, STRIDE: gl.constexpr,
-                         EARLY_RELEASE: gl.constexpr, COPY_AHEAD: gl.constexpr):
-    """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free (`EARLY_RELEASE`: its tokens),
-    `cp.async` of the tile's e4m3 rows into it; once they landed (and its `v^T` is free) the latent columns stored
-    once more, transposed, into `v_t`, four tokens of a column to a 32-bit store (each thread reads back the bytes
-    it copied, so no barrier between the loader's threads). With `COPY_AHEAD` (and `EARLY_RELEASE`) the copy of
-    the loader's next tile is issued before this tile is transposed."""
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr,
+                         PREFETCH: gl.constexpr):
+    """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
+    into it; once they landed, the latent columns stored once more, transposed, into `v_t`, four tokens of a column
+    to a 32-bit store (each thread reads back the bytes it copied, so no barrier between the loader's threads).
+    With `PREFETCH` > 0 it asks the L2 for the lines of its tile `PREFETCH` on (`prefetch.global.L2`) as it copies
+    this one."""
     # [4 tokens, 16 columns] a thread: 16-byte copies, and four tokens of each column for the transposed store
     layout: gl.constexpr = gl.BlockedLayout([4, 16], [8, 4], [2, 2], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [LOAD_WARPS, 1], [1, 0])
     BLOCK_N: gl.constexpr = src.BLOCK_N
     row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
                          src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
-    if COPY_AHEAD:
-        if FIRST < src.n_tiles:
-            mbarrier.wait(ring.empty_bars.index(FIRST % ring.STAGES), 1)
-            _fp8q_copy(src, ring, FIRST, row, ok, layout, rope_layout)
-        row, ok = _tile_rows(src.start + (FIRST + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
-                             src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
-        phase = ((t // ring.STAGES) & 1) ^ 1
-        if COPY_AHEAD:
-            nxt = t + STRIDE
-            if nxt < src.n_tiles:
-                mbarrier.wait(ring.empty_bars.index(nxt % ring.STAGES), ((nxt // ring.STAGES) & 1) ^ 1)
-                _fp8q_copy(src, ring, nxt, row, ok, layout, rope_layout)
-            else:
-                async_copy.commit_group()  # an empty group, so that this tile's is always the one before last
-            row, ok = _tile_rows(src.start + (t + 2 * STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row,
-                                 src.bt_row, src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N,
-                                 src.PAGE_SIZE, src.SPARSE)
-            async_copy.wait_group(1)
-        else:
-            mbarrier.wait(ring.empty_bars.index(slot), phase)
-            _fp8q_copy(src, ring, t, row, ok, layout, rope_layout)
-            row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
-                                 src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE,
-                                 src.SPARSE)
-            async_copy.wait_group(0)
-        if EARLY_RELEASE:
-            mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
+        _fp8q_copy(src, ring, t, row, ok, layout, rope_layout)
+        if PREFETCH > 0:
+            ahead = t + PREFETCH * STRIDE
+            if ahead < src.n_tiles:
+                far, far_ok = _tile_rows(src.start + ahead * BLOCK_N, src.end, src.seq_len, src.topk_row,
+                                         src.bt_row, src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N,
+                                         src.PAGE_SIZE, src.SPARSE)
+                _prefetch_rows(far, far_ok, src.kv_ptr)
+        row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
+                             src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
+        async_copy.wait_group(0)
         k_lat = ring.k_lat.index(slot)
         for c in gl.static_range(4):
             x = k_lat.slice(c * 128, 128, dim=1).load(layout)
             v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
-    async_copy.wait_group(0)
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, EARLY_RELEASE: gl.constexpr,
-              COPY_AHEAD: gl.constexpr):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, PREFETCH: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -184,14 +160,12 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, EARLY_RELEA
     p_smem = gl.allocate_shared_memory(dtype, [N_ROWS, BLOCK_N], narrow_layout)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_fp8q_mma, (q_lat, q_rope, ring, v_t, v_empty, p_smem, prog, EARLY_RELEASE)),
-        (_fp8q_load_partition, (src, ring, v_t, v_empty, 0, 2, EARLY_RELEASE, COPY_AHEAD)),
-        (_fp8q_load_partition, (src, ring, v_t, v_empty, 1, 2, EARLY_RELEASE, COPY_AHEAD))],
+        (_fp8q_mma, (q_lat, q_rope, ring, v_t, p_smem, prog)),
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2, PREFETCH)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2, PREFETCH))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
