@@ -138,8 +138,10 @@ def main(argv=None) -> int:
     env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
     env["matmul_tflops"] = timing.measure_matmul_tflops()
     for i, switches in enumerate(args.variants):
-        print(f"# forms_ab: variant {variant_name(i, args.ours)}: " + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
+        print(f"# forms_ab: variant {variant_name(i, args.ours)}: "
+              + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
     print("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
+    print("# lengths: ragged, up to kv_len (make_inputs' default; bench/kernels.py times uniform ones unless --ragged)")
     print("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
     print(kernels.HEADER)
     logs = {variant_name(i, args.ours): [] for i in range(len(args.variants))}

@@ -25,6 +25,17 @@ def _str_list(text: str | None) -> tuple[str, ...]:
     return tuple(x.strip() for x in (text or "").split(",") if x.strip())
 
 
+def _backend_names(ctx, param, text: str | None) -> frozenset[str]:
+    """`--skip-backends`: registry names (any case); an unknown one is a usage error."""
+    from mla_tune.backends.registry import BACKENDS
+
+    names = frozenset(name.upper() for name in _str_list(text))
+    unknown = sorted(names - set(BACKENDS))
+    if unknown:
+        raise click.BadParameter(f"unknown backend {unknown[0]!r}; `mla-tune backends` lists them")
+    return names
+
+
 def select_devices(devices, gpus: str | None, *, force: bool):
     """The GPUs to time: `--gpus all|0,2` (default: the first idle one), idle ones unless `force`.
 
@@ -68,7 +79,8 @@ def select_devices(devices, gpus: str | None, *, force: bool):
     return usable
 
 
-def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None, engine_max_seq_len=None) -> None:
+def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None, engine_max_seq_len=None,
+             skip_backends=frozenset()) -> None:
     """Validate, probe, tune, print. Bad input exits 2 before anything is stored; no GPU exits 1."""
     from mla_tune.cli.main import db_url
     from mla_tune.store.engine import StoreError
@@ -91,7 +103,8 @@ def run_tune(ctx, spec, *, budget_s=None, resume=False, force=False, gpus=None, 
     except ProbeError as exc:
         raise fail(f"cannot tune: {exc}") from None
     devices = select_devices(devices, gpus, force=force)
-    options = TuneOptions(budget_s=budget_s, resume=resume, force=force, engine_max_seq_len=engine_max_seq_len)
+    options = TuneOptions(budget_s=budget_s, resume=resume, force=force, engine_max_seq_len=engine_max_seq_len,
+                          skip_backends=skip_backends)
     try:
         with Store.open(url) as store:
             def on_plan(plans, estimate):
@@ -182,10 +195,13 @@ def _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp):
 @click.option("--engine-max-seq-len", type=click.IntRange(min=1), default=None, metavar="TOKENS",
               help="vLLM's max_seq_len our kernel is timed with as vLLM launches it (e.g. your --max-model-len, "
                    "which vLLM's full CUDA graphs are captured with). Default: the longest kv_len tuned.")
+@click.option("--skip-backends", metavar="LIST", callback=_backend_names,
+              help="Backends not to time, e.g. MLA_TUNE_TRITON_FP8Q (it rounds the query to e4m3). "
+                   "Keys already tuned keep their decisions unless --force.")
 @db_option
 @click.pass_context
 def tune(ctx, model, tp, heads, kv_cache_dtype, quick, thorough, budget_s, resume, force, gpus, workload, mtp,
-         engine_max_seq_len):
+         engine_max_seq_len, skip_backends):
     """Time every eligible MLA backend on this GPU and store the decisions.
 
     Probes the GPU(s), checks each backend against the float32 reference,
@@ -198,7 +214,7 @@ def tune(ctx, model, tp, heads, kv_cache_dtype, quick, thorough, budget_s, resum
     """
     spec = _spec(model, tp, heads, kv_cache_dtype, quick, thorough, workload, mtp)
     run_tune(ctx, spec, budget_s=budget_s, resume=resume, force=force, gpus=gpus,
-             engine_max_seq_len=engine_max_seq_len)
+             engine_max_seq_len=engine_max_seq_len, skip_backends=skip_backends)
 
 
 def main_job(ctx) -> None:

@@ -62,6 +62,7 @@ class TuneOptions:
         engine_max_seq_len: vLLM's max_seq_len for timing our kernel as our vLLM backend launches it (dense;
             vLLM captures its full CUDA graphs with the longest length it serves); None = the longest kv_len
             the tune times for the key.
+        skip_backends: backend names the operator left out (`--skip-backends`): not timed, listed as ineligible.
     """
 
     budget_s: float | None = None
@@ -81,6 +82,7 @@ class TuneOptions:
     prewarm: bool = True
     jit_prefixes: tuple[str, ...] = JIT_PREFIXES
     engine_max_seq_len: int | None = None
+    skip_backends: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -103,18 +105,21 @@ class TuneReport:
 
 def _candidates(work, device: DeviceInfo, options: TuneOptions) -> tuple[tuple[str, ...], dict[str, str], str | None]:
     """(backends to time, {ineligible backend: reasons}, vLLM's static choice) for one key on one SKU."""
-    if options.adapters is not None:
-        return tuple(options.adapters), {}, options.static_choice
     from mla_tune.backends.priority import static_choice
     from mla_tune.backends.registry import candidates, runnable_reasons
 
     runnable, ineligible = [], {}
-    for name in candidates():
-        reasons = runnable_reasons(name, work.problem, device.spec)
+    for name in options.adapters or candidates():
+        if name in options.skip_backends:
+            ineligible[name] = "left out by the operator (--skip-backends)"
+            continue
+        reasons = [] if options.adapters is not None else runnable_reasons(name, work.problem, device.spec)
         if reasons:
             ineligible[name] = "; ".join(reasons)
         else:
             runnable.append(name)
+    if options.adapters is not None:
+        return tuple(runnable), ineligible, options.static_choice
     static = options.static_choice
     if static is None:
         static = static_choice(work.problem, device.spec).backend

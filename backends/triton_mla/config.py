@@ -66,7 +66,8 @@ HOPPER_TOKEN_SPLIT_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=8, num_
 HOPPER_NARROW_SHAPES = {32: HopperShape(block_h=32, block_n=64, num_warps=4, num_stages=2, warps_run=12),
                         16: HopperShape(block_h=16, block_n=64, num_warps=4, num_stages=2, warps_run=12)}
 # The narrow form on e4m3 tensor cores (`fp8_query`): e4m3 slots and their v^T (68 KiB a slot) leave room for three.
-HOPPER_FP8_QUERY_SHAPES = {rows: dataclasses.replace(shape, num_stages=3) for rows, shape in HOPPER_NARROW_SHAPES.items()}
+HOPPER_FP8_QUERY_SHAPES = {rows: dataclasses.replace(shape, num_stages=3)
+                           for rows, shape in HOPPER_NARROW_SHAPES.items()}
 # The qk1 form: launched with 4 warps (warpgroup 0, which scores); warpgroup 1 and the loader are workers.
 HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2, warps_run=12)
 # The Hopper shape by rows bucket (16 and 32: narrow; 64: token-split).

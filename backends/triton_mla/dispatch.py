@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
-    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE,
-    HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile, packed_rows,
-    rows_bucket)
+    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES,
+    HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile,
+    packed_rows, rows_bucket)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,9 +201,6 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
     return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
 
 
-FP8_QUERY_PREFETCH = 0
-
-
 def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
     """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form, 16 rows for up to 16
     packed rows, 32 above (64 and 128 rows run two and four row blocks over each KV tile)."""
@@ -270,5 +267,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        FP8_QUERY_PREFETCH=FP8_QUERY_PREFETCH if params.fp8_query else 0)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

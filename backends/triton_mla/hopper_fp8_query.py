@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring, _rows, _tile_positions
-from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _prefetch_rows, _tile_rows
+from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
 from mla_tune.backends.triton_mla.hopper_narrow import _narrow_epilogue
 
 E4M3_MAX = gl.constexpr(448.0)
@@ -107,13 +107,10 @@ def _fp8q_copy(src: KvSource, ring: Ring, t, row, ok, layout: gl.constexpr, rope
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr,
-                         PREFETCH: gl.constexpr):
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
     """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
     into it; once they landed, the latent columns stored once more, transposed, into `v_t`, four tokens of a column
-    to a 32-bit store (each thread reads back the bytes it copied, so no barrier between the loader's threads).
-    With `PREFETCH` > 0 it asks the L2 for the lines of its tile `PREFETCH` on (`prefetch.global.L2`) as it copies
-    this one."""
+    to a 32-bit store (each thread reads back the bytes it copied, so no barrier between the loader's threads)."""
     # [4 tokens, 16 columns] a thread: 16-byte copies, and four tokens of each column for the transposed store
     layout: gl.constexpr = gl.BlockedLayout([4, 16], [8, 4], [2, 2], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [LOAD_WARPS, 1], [1, 0])
@@ -124,13 +121,6 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
         _fp8q_copy(src, ring, t, row, ok, layout, rope_layout)
-        if PREFETCH > 0:
-            ahead = t + PREFETCH * STRIDE
-            if ahead < src.n_tiles:
-                far, far_ok = _tile_rows(src.start + ahead * BLOCK_N, src.end, src.seq_len, src.topk_row,
-                                         src.bt_row, src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N,
-                                         src.PAGE_SIZE, src.SPARSE)
-                _prefetch_rows(far, far_ok, src.kv_ptr)
         row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
                              src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
         async_copy.wait_group(0)
@@ -143,7 +133,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -166,6 +156,6 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, PREFETCH: g
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_fp8q_mma, (q_lat, q_rope, ring, v_t, p_smem, prog)),
-        (_fp8q_load_partition, (src, ring, v_t, 0, 2, PREFETCH)),
-        (_fp8q_load_partition, (src, ring, v_t, 1, 2, PREFETCH))],
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

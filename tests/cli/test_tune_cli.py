@@ -30,6 +30,7 @@ def two_gpus(monkeypatch):
     (["--workload", "{bad}"], "does not parse"),
     (["--gpus", "0,7"], "GPU index 7 does not exist (this node has GPU(s) 0, 1)"),
     (["--gpus", "some"], "expected 'all' or GPU indices"),
+    (["--skip-backends", "MLA_TUNE_TRITON_FP8Q,NOPE"], "unknown backend 'NOPE'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_stored(cli, tmp_path, two_gpus, args, message):
     bad = tmp_path / "bad.json"

@@ -82,6 +82,20 @@ def test_tune_stores_decisions_failures_and_skips_what_is_tuned(env, monkeypatch
         assert len(store.measurements(key=d.key)) == 6 + 4
 
 
+def test_a_backend_the_operator_skips_is_not_timed_and_cannot_win(env, monkeypatch):
+    # `--skip-backends`: e.g. MLA_TUNE_TRITON_FP8Q, whose rounding of the query an operator may not accept
+    tmp, workload = env
+    monkeypatch.setenv("MLA_TUNE_FAKE_MS", json.dumps({"FAKE_GOOD": 1.0, "FAKE_OTHER": 2.0}))
+    with Store.open(f"sqlite:///{tmp / 'tune.db'}") as store:
+        report = tune(spec(workload, tps=(8,)), store=store, devices=[GPU0],
+                      options=options("FAKE_GOOD", "FAKE_OTHER", static_choice="FAKE_OTHER",
+                                      skip_backends=frozenset({"FAKE_GOOD"})))
+        (decision,) = store.decisions()
+        assert report.units_done == 2 and decision.winner == "FAKE_OTHER"
+        assert {m.backend for m in store.measurements(key=decision.key) if m.status == "ok"} == {"FAKE_OTHER"}
+        assert "left out by the operator (--skip-backends)" in decision.failures["FAKE_GOOD"]
+
+
 def test_busy_gpu_lock_stops_a_second_tune_before_anything_is_stored(env):
     tmp, workload = env
     with GpuLock("GPU-fake-0"), Store.open(f"sqlite:///{tmp / 'lock.db'}") as store:
