@@ -72,8 +72,8 @@ HOPPER_FP8_QUERY_SHAPES = {rows: dataclasses.replace(shape, num_stages=3)
 HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2, warps_run=12)
 # The Hopper shape by rows bucket (16 and 32: narrow; 64: token-split).
 HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
-WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE,
-                                                  *HOPPER_FP8_QUERY_SHAPES.values()))
+FP8_QUERY_SHAPES = tuple(s.key() for s in HOPPER_FP8_QUERY_SHAPES.values())
+WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE)) + FP8_QUERY_SHAPES
 # 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers; `setmaxnreg` then rebalances them.
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 112}
@@ -146,8 +146,12 @@ class LaunchParams:
                 raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
                                  f"{' or '.join(map(str, WARP_SPECIALIZED_SHAPES))} only (227 KiB of shared memory), "
                                  f"got {shape}")
-        if self.fp8_query and not (self.warp_specialized and self.block_h < HOPPER_TOKEN_SPLIT_SHAPE.block_h):
-            raise ValueError("fp8_query runs on the narrow Hopper form only (warp_specialized, block_h 16 or 32)")
+        shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
+        if self.fp8_query and not (self.warp_specialized and shape in FP8_QUERY_SHAPES):
+            raise ValueError(f"fp8_query runs on the narrow Hopper form only, with three slots: warp_specialized and "
+                             f"(block_h, block_n, num_warps, num_stages) = {' or '.join(map(str, FP8_QUERY_SHAPES))}")
+        if self.warp_specialized and not self.fp8_query and shape in FP8_QUERY_SHAPES:
+            raise ValueError(f"{shape} is the FP8-query form's launch shape: its 16-bit slots would not fit")
 
     def label(self) -> str:
         return (f"h{self.block_h}n{self.block_n}w{self.num_warps}"

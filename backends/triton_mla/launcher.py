@@ -57,6 +57,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     ds_mla = is_ds_mla(kv_cache)
     if ds_mla and params.fp8_query:
         raise ValueError("fp8_query multiplies e4m3 operands: it needs a float8_e4m3fn cache, got fp8_ds_mla rows")
+    if sparse and params.fp8_query:
+        raise ValueError("fp8_query runs dense decode only (no top-k indices)")
     if ds_mla:
         _check_ds_mla(params, kv_cache)
         kv_cache, kv_scale = kv_cache.view(torch.float8_e4m3fn), None  # the e4m3 bytes; scales are read per row

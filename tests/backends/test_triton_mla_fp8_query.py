@@ -26,11 +26,15 @@ H100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
 def test_fp8_query_runs_on_the_narrow_hopper_form_only():
     from mla_tune.backends.triton_mla import LaunchParams
 
-    LaunchParams(block_h=32, block_n=64, num_warps=4, num_stages=2, warp_specialized=True, fp8_query=True)
+    LaunchParams(block_h=32, block_n=64, num_warps=4, num_stages=3, warp_specialized=True, fp8_query=True)
     for fields in (dict(block_h=64, block_n=64, num_warps=8, num_stages=2, warp_specialized=True),
+                   dict(block_h=32, block_n=64, num_warps=4, num_stages=2, warp_specialized=True),
                    dict(block_h=16, block_n=32, num_warps=4, num_stages=2)):
         with pytest.raises(ValueError, match="narrow Hopper form only"):
             LaunchParams(**fields, fp8_query=True)
+    # three slots hold e4m3 tiles, not 16-bit ones
+    with pytest.raises(ValueError, match="FP8-query form's launch shape"):
+        LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=3, warp_specialized=True)
 
 
 def test_fp8_query_tile_is_the_narrow_form_for_any_head_count():
@@ -52,10 +56,20 @@ def test_the_launcher_refuses_fp8_query_without_an_e4m3_cache(kv):
         from mla_tune.backends.vllm_kernels.flashmla import pack_fp8_ds_mla
 
         kv_cache, kv_scale = pack_fp8_ds_mla(inputs.kv_cache, inputs.kv_scale), None
-    params = LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=2, warp_specialized=True, fp8_query=True)
+    params = LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=3, warp_specialized=True, fp8_query=True)
     with pytest.raises(ValueError, match="needs a float8_e4m3fn cache"):
         mla_decode(inputs.q, kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
                    kv_scale=kv_scale, params=params)
+
+
+def test_the_launcher_refuses_fp8_query_on_a_sparse_problem():
+    from mla_tune.backends.triton_mla import LaunchParams, mla_decode
+
+    inputs = make_inputs(Problem(num_heads=16, kv_cache_dtype="fp8_e4m3", page_size=64, topk=64), Shape(2, 100))
+    params = LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=3, warp_specialized=True, fp8_query=True)
+    with pytest.raises(ValueError, match="dense decode only"):
+        mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
+                   kv_scale=inputs.kv_scale, topk_indices=inputs.topk_indices, params=params)
 
 
 def test_the_fp8_query_backend_is_its_own_candidate_on_hopper_fp8_dense():
