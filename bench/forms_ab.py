@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", dest="switches", action="append", required=True,
                    help="NAME=EXPR[; NAME=EXPR ...]: one variant's dispatch switches (repeat for more variants)")
-    p.add_argument("--form", default="qk1", help="only shapes whose default tile is of this kernel form")
+    p.add_argument("--form", default="qk1", help="only shapes whose default tile is of this kernel form (any: all)")
     p.add_argument("--ours", default=None, help="the backend of variant A and the --set variants (default: "
                    "MLA_TUNE_TRITON, or MLA_TUNE_TRITON_SPARSE on sparse shapes)")
     p.add_argument("--others", default="FLASHMLA,FLASH_ATTN_MLA", help="vLLM's kernels timed beside (dense names; "
@@ -119,7 +119,7 @@ def run_shape(shape, args, env) -> list[dict]:
     variants = [(variant_name(i, args.ours), ours, lambda s=switches: SwitchedRunner.prepare(ours, problem, inputs, s))
                 for i, switches in enumerate(args.variants)]
     rows, prepared = kernels._prepare_and_check(problem, inputs, [ours, *others], args, env, base, extra=variants)
-    if ours not in prepared or prepared[ours][0].params.kernel_form != args.form:
+    if ours not in prepared or args.form not in ("any", prepared[ours][0].params.kernel_form):
         return []
     rows += kernels._time_prepared(prepared, inputs, args, env)
     torch.cuda.empty_cache()
