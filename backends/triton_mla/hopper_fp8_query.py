@@ -92,7 +92,7 @@ def _fp8q_mma(q_lat, q_rope, ring: Ring, v_t, p_smem, prog: Program):
 
 
 @gluon.jit
-def _fp8q_copy(src: KvSource, ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.constexpr):
+def _fp8q_copy(ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.constexpr):
     """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok` in `layout`'s rows) into its slot, as one commit group."""
     slot = t % ring.STAGES
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
@@ -120,7 +120,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        _fp8q_copy(src, ring, t, row, ok, layout, rope_layout)
+        _fp8q_copy(ring, t, row, ok, layout, rope_layout)
         row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
                              src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
         async_copy.wait_group(0)
