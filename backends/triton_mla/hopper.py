@@ -9,6 +9,9 @@ compute on the other slot. The kernel has three forms, chosen by the launch shap
 - narrow (`hopper_narrow.py`): 16 or 32 rows, one MMA warpgroup on transposed products;
 - qk1 (`hopper_qk1.py`): 64 rows, warpgroup 0 scores the whole tile and hands p to warpgroup 1.
 
+With `FP8_QUERY` (`LaunchParams.fp8_query`, an e4m3 cache) the narrow form runs on e4m3 tensor cores instead, with
+slots and loaders of its own (`hopper_fp8_query.py`).
+
 A program is the same unit as in the tl kernel (packed query rows x one split of the KV range) and writes the same
 `(out, lse)` partials, merged by `combine._mla_combine_kernel`. Shared memory: the query (64 x 576 x 2 bytes = 72 KiB)
 plus two 64-token slots (144 KiB), 216 KiB: one program per SM (`hopper_common.hopper_smem_bytes`). docs/kernels.md
