@@ -25,7 +25,7 @@ from mla_tune.backends.problem import Problem, Shape
 
 # Backends whose first prepare compiles for tens of seconds (a JIT library per module).
 JIT_PREFIXES = ("FLASHINFER",)
-OUR_TRITON = ("MLA_TUNE_TRITON", "MLA_TUNE_TRITON_SPARSE")
+OUR_TRITON = ("MLA_TUNE_TRITON", "MLA_TUNE_TRITON_SPARSE", "MLA_TUNE_TRITON_FP8Q")
 VLLM_TRITON = "TRITON_MLA"
 # Build order, longest first, so the longest builds start at once: FlashInfer modules (25-40 s), the
 # warp-specialised Hopper kernel, the tl kernel, vLLM's kernel, then launches kept only for their combine.
@@ -129,12 +129,16 @@ def unit_lengths(problem: Problem, shape: Shape, *, seed: int) -> list[int]:
                                                    seed=seed))
 
 
-def our_launches(problem: Problem, shape: Shape, *, num_sms: int, cc_major: int | None, seed: int) -> list:
-    """The launches a unit times for our kernel at `shape` (`adapter.candidate_launches`, without inputs)."""
+def our_launches(problem: Problem, shape: Shape, *, num_sms: int, cc_major: int | None, seed: int,
+                 backend: str = "MLA_TUNE_TRITON") -> list:
+    """The launches a unit times for our kernel `backend` at `shape` (`adapter.candidate_launches`, without
+    inputs)."""
+    from mla_tune.backends.registry import load_adapter
     from mla_tune.backends.triton_mla.adapter import candidate_launches
 
     lengths = unit_lengths(problem, shape, seed=seed)
-    return [params for _, params in candidate_launches(problem, lengths=lengths, num_sms=num_sms, cc_major=cc_major)]
+    return [params for _, params in candidate_launches(problem, lengths=lengths, num_sms=num_sms, cc_major=cc_major,
+                                                       fp8_query=load_adapter(backend).fp8_query)]
 
 
 def vllm_build(problem: Problem, kv_len: int, *, num_sms: int) -> tuple:
@@ -182,7 +186,8 @@ def triton_jobs(plans: Sequence, *, num_sms: int, cc_major: int | None, seed: in
     for problem, backends, shape in _units(plans):
         for backend in backends:
             if backend in OUR_TRITON:
-                for params in our_launches(problem, shape, num_sms=num_sms, cc_major=cc_major, seed=seed):
+                for params in our_launches(problem, shape, num_sms=num_sms, cc_major=cc_major, seed=seed,
+                                           backend=backend):
                     stage1, combine = launch_builds(problem, params, kv_len=shape.kv_len)
                     new = [b for b in (stage1, combine) if b is not None and b not in seen]
                     if not new:

@@ -10,7 +10,7 @@ import torch
 from mla_tune.backends.interface import DecodeInputs, check_inputs
 from mla_tune.backends.problem import Problem
 from mla_tune.backends.triton_mla.config import D_LATENT, PARAM_SPACE, LaunchParams, Tile, cc_major, sm_count
-from mla_tune.backends.triton_mla.dispatch import candidate_tiles, fp8_query_tile
+from mla_tune.backends.triton_mla.dispatch import candidate_tiles
 from mla_tune.backends.triton_mla.launcher import launch
 from mla_tune.backends.triton_mla.splits import params_for
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -36,19 +36,20 @@ def unit_lengths(problem: Problem, seq_lens: list[int]) -> list[int]:
     return [problem.topk] * len(seq_lens) if problem.sparse else list(seq_lens)
 
 
-def launch_facts(problem: Problem, *, lengths: list[int], cc_major: int | None) -> dict:
-    """What the dispatch chooses a tile from (`dispatch.default_tile`, `candidate_tiles`), for `unit_lengths`."""
+def launch_facts(problem: Problem, *, lengths: list[int], cc_major: int | None, fp8_query: bool = False) -> dict:
+    """What the dispatch chooses a tile from (`dispatch.default_tile`, `candidate_tiles`), for `unit_lengths`
+    (`fp8_query`: MLA_TUNE_TRITON_FP8Q's tile)."""
     return dict(num_heads=problem.num_heads, q_len=problem.q_len, batch=len(lengths), max_items=max(max(lengths), 1),
                 sparse=problem.sparse, kv_fp8=problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla"),
-                ds_mla=reads_ds_mla(problem), cc_major=cc_major)
+                ds_mla=reads_ds_mla(problem), cc_major=cc_major, fp8_query=fp8_query)
 
 
-def candidate_launches(problem: Problem, *, lengths: list[int], num_sms: int,
-                       cc_major: int | None) -> list[tuple[Tile, LaunchParams]]:
+def candidate_launches(problem: Problem, *, lengths: list[int], num_sms: int, cc_major: int | None,
+                       fp8_query: bool = False) -> list[tuple[Tile, LaunchParams]]:
     """What the tuner times to refine the launch per device: `candidate_tiles` (the default first), each with its
     parameters for `unit_lengths`, without tiles that come to the same parameters. The pre-build lists its builds
     from the same function, before any inputs exist."""
-    facts = launch_facts(problem, lengths=lengths, cc_major=cc_major)
+    facts = launch_facts(problem, lengths=lengths, cc_major=cc_major, fp8_query=fp8_query)
     seen, out = set(), []
     for tile in candidate_tiles(**facts):
         params = params_for(tile, **facts, num_sms=num_sms, lengths=lengths)
@@ -102,6 +103,7 @@ class TritonMLA:
     name: ClassVar[str] = "MLA_TUNE_TRITON"
     param_space: ClassVar[dict] = PARAM_SPACE
     sparse: ClassVar[bool] = False
+    fp8_query: ClassVar[bool] = False
 
     def __init__(self, params: LaunchParams | None = None, tile: Tile | None = None):
         self.params = params
@@ -117,14 +119,15 @@ class TritonMLA:
         if self.params is not None:
             return self.params
         device, lengths = inputs.q.device, self._lengths(problem, inputs)
-        return params_for(self.tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device)),
+        return params_for(self.tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device),
+                                                    fp8_query=self.fp8_query),
                           num_sms=sm_count(device), lengths=lengths)
 
     def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
         """`candidate_launches` for these inputs on their GPU."""
         device = inputs.q.device
         return candidate_launches(problem, lengths=self._lengths(problem, inputs), num_sms=sm_count(device),
-                                  cc_major=cc_major(device))
+                                  cc_major=cc_major(device), fp8_query=self.fp8_query)
 
     def vllm_launch(self, *, max_seq_len: int | None):
         """The launch our vLLM backend makes of this kernel (`mla_tune.vllm_backends.tuned_launch`), an adapter the
@@ -157,17 +160,5 @@ class TritonMLAFp8Query(TritonMLA):
     to e4m3, as FlashMLA does on an FP8 cache. Dense, SM90; a backend of its own, so an operator can leave it out."""
 
     name: ClassVar[str] = "MLA_TUNE_TRITON_FP8Q"
+    fp8_query: ClassVar[bool] = True
     vllm_launch = None  # no vLLM backend runs it
-
-    def choose_params(self, problem: Problem, inputs: DecodeInputs) -> LaunchParams:
-        if self.params is not None:
-            return self.params
-        device, lengths = inputs.q.device, self._lengths(problem, inputs)
-        tile = self.tile or fp8_query_tile(num_heads=problem.num_heads, q_len=problem.q_len)
-        return params_for(tile, **launch_facts(problem, lengths=lengths, cc_major=cc_major(device)),
-                          num_sms=sm_count(device), lengths=lengths)
-
-    def tile_candidates(self, problem: Problem, inputs: DecodeInputs) -> list[tuple[Tile, LaunchParams]]:
-        """Its one tile (`dispatch.fp8_query_tile`)."""
-        tile = fp8_query_tile(num_heads=problem.num_heads, q_len=problem.q_len)
-        return [(tile, TritonMLAFp8Query(tile=tile).choose_params(problem, inputs))]

@@ -173,7 +173,8 @@ def _hopper_tile(kind: str, bucket: int, *, batch: int, max_items: int, sparse: 
 
 
 def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
-                 kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> Tile:
+                 kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False,
+                 fp8_query: bool = False) -> Tile:
     """The heuristic's tile: on SM90 the first Hopper form whose table takes the shape (unless the requests are
     short), otherwise the tl kernel's tile for the rows bucket.
 
@@ -181,7 +182,10 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
         cc_major: the GPU's compute-capability major (None: the CPU interpreter).
         ds_mla: the cache is vLLM's fp8_ds_mla (the FP8 kind's tiles).
+        fp8_query: the FP8-query backend's tile (`fp8_query_tile`), whatever the shape.
     """
+    if fp8_query:
+        return fp8_query_tile(num_heads=num_heads, q_len=q_len)
     kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
@@ -209,16 +213,17 @@ def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
-                    kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False) -> list[Tile]:
+                    kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False,
+                    fp8_query: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
     at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows), then the default with its
     minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                           kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla)
+                           kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if cc_major in HOPPER_CC_MAJORS:
+    if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query form has one tile, refined in its splits
         if default.warp_specialized:
             family.append(table_tile(_kind(kv_fp8 or ds_mla), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, wide), wide})]

@@ -15,6 +15,7 @@ from triton.language.core import base_value
 
 ROWS = gl.constexpr(64)        # query rows per program in the 64-row forms: one wgmma M block
 LOAD_WARPS = gl.constexpr(4)   # a loader partition: one warpgroup
+E4M3_MAX = gl.constexpr(448.0)  # e4m3's largest finite value
 
 
 @gluon.constexpr_function
@@ -178,14 +179,14 @@ def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: g
 
 
 @gluon.jit
-def _load_query(prog: Program, col0, layout: gl.constexpr, N_COLS: gl.constexpr):
-    """Columns `col0`..`col0 + N_COLS` of the program's query rows in `layout` (0 for rows past the heads; FP8:
-    scaled by `q_scale`, then rounded to fp16)."""
+def _load_query(prog: Program, col0, layout: gl.constexpr, N_COLS: gl.constexpr, AS_STORED: gl.constexpr = False):
+    """Columns `col0`..`col0 + N_COLS` of the program's query rows in `layout` (0 for rows past the heads; FP8,
+    unless `AS_STORED`: scaled by `q_scale`, then rounded to fp16)."""
     qi, h, row_ok = _rows(prog.pid_m, prog.num_heads, gl.SliceLayout(1, layout), prog.Q_LEN, prog.SPARSE, prog.N_ROWS)
     q_row = prog.q_ptr + prog.b.to(gl.int64) * prog.stride_qb + qi * prog.stride_qt + h * prog.stride_qh
     x = gl.load(q_row[:, None] + col0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, layout))[None, :],
                 mask=row_ok[:, None], other=0.0)
-    if prog.KV_FP8:
+    if prog.KV_FP8 and not AS_STORED:
         x = (x.to(gl.float32) * prog.q_scale).to(gl.float16)
     return x
 
@@ -200,6 +201,23 @@ def _store_query(prog: Program, q_lat, q_rope, WARPS: gl.constexpr):
     q_rope.store(rope)
     q_lat.store(lat)
     fence_async_shared()
+
+
+@gluon.jit
+def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
+    """The query's rows, each times `448 / max |q_row|`, rounded to e4m3 into `q_lat` / `q_rope` by the 4 MMA warps
+    (fenced for wgmma); returns `max |q_row| / 448` per row in `rows_layout` (1 for a row of zeros or past the
+    heads), the factor its scores take back."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    lat = _load_query(prog, 0, layout, 512, True).to(gl.float32)
+    rope = _load_query(prog, 512, layout, 64, True).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(lat), 1), gl.max(gl.abs(rope), 1))
+    amax = gl.where(amax > 0.0, amax, E4M3_MAX)
+    scale = E4M3_MAX / amax
+    q_lat.store((lat * scale[:, None]).to(q_lat.dtype))
+    q_rope.store((rope * scale[:, None]).to(q_rope.dtype))
+    fence_async_shared()
+    return gl.convert_layout(amax / E4M3_MAX, rows_layout)
 
 
 @gluon.jit

@@ -1,4 +1,5 @@
-"""The narrow form on e4m3 tensor cores (`FP8_QUERY`): the query and p rounded to e4m3, every product in FP8.
+"""The narrow form on e4m3 tensor cores (`FP8_QUERY`): the query and p rounded to e4m3, every product in FP8. Its
+MMA warpgroup is `hopper_narrow._narrow_mma` with `FP8_QUERY`; this module holds its slots and loaders.
 
 The narrow form casts each FP8 tile to fp16 in its loaders, since wgmma has no e4m3 x fp16 product; the stores of
 those fp16 tiles keep the shared-memory pipe busier than DRAM. Here nothing is cast: the loader copies a tile's
@@ -17,78 +18,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
-from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring, _rows, _tile_positions
+from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring
 from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
-from mla_tune.backends.triton_mla.hopper_narrow import _narrow_epilogue
-
-E4M3_MAX = gl.constexpr(448.0)
-P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p
-
-
-@gluon.jit
-def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
-    """The program's query rows, each times `448 / max |q_row|`, rounded to e4m3 into `q_lat` / `q_rope` (fenced for
-    wgmma); returns `max |q_row| / 448` per row in `rows_layout` (1 for a row of zeros or past the heads)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    qi, h, ok = _rows(prog.pid_m, prog.num_heads, gl.SliceLayout(1, layout), prog.Q_LEN, prog.SPARSE, prog.N_ROWS)
-    q_row = prog.q_ptr + prog.b.to(gl.int64) * prog.stride_qb + qi * prog.stride_qt + h * prog.stride_qh
-    lat = gl.load(q_row[:, None] + gl.arange(0, 512, layout=gl.SliceLayout(0, layout))[None, :],
-                  mask=ok[:, None], other=0.0).to(gl.float32)
-    rope = gl.load(q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :],
-                   mask=ok[:, None], other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.max(gl.abs(lat), 1), gl.max(gl.abs(rope), 1))
-    amax = gl.where(amax > 0.0, amax, E4M3_MAX)
-    scale = E4M3_MAX / amax
-    q_lat.store((lat * scale[:, None]).to(q_lat.dtype))
-    q_rope.store((rope * scale[:, None]).to(q_rope.dtype))
-    fence_async_shared()
-    return gl.convert_layout(amax / E4M3_MAX, rows_layout)
-
-
-@gluon.jit
-def _fp8q_mma(q_lat, q_rope, ring: Ring, v_t, p_smem, prog: Program):
-    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, as `hopper_narrow._narrow_mma`, every product e4m3."""
-    N_ROWS: gl.constexpr = prog.N_ROWS
-    BLOCK_N: gl.constexpr = prog.BLOCK_N
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, N_ROWS, 32])
-    toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    col_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
-
-    qi, _, _ = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, N_ROWS)
-    visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
-    acc = gl.zeros([512, N_ROWS], gl.float32, s_layout)
-    m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
-    l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)  # per token; reduced once, after the loop
-    zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    for t in range(prog.n_tiles):
-        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, toks_s, BLOCK_N,
-                                  prog.SPARSE)
-        slot = t % ring.STAGES
-        mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
-        s = warpgroup_mma(ring.k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(ring.k_lat.index(slot), q_lat.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
-        s = gl.where(visible, s * col_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
-        m_i = m_new
-        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-        p_smem.permute((1, 0)).store(p)
-        fence_async_shared()
-        acc = acc * alpha[None, :]
-        acc = warpgroup_mma(v_t.index(slot), p_smem.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(ring.empty_bars.index(slot))
-    # acc and the row sums both carry p's 2^8
-    _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_acc * (1.0 / 256.0), prog, s_layout)
+from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 
 
 @gluon.jit
@@ -155,7 +89,7 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
         mbarrier.init(empty_bars.index(i), count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_fp8q_mma, (q_lat, q_rope, ring, v_t, p_smem, prog)),
+        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
         (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
         (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

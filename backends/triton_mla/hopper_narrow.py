@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, KvSource, Program, Ring, _full_slot, _inv_sums, _lse, _rows, _store_out, _store_query,
-    _tile_positions)
+    _store_query_e4m3, _tile_positions)
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition, _load_partition_staged
 
 
@@ -41,16 +41,23 @@ def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program):
-    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M."""
-    if prog.QUERY_IN_CONSUMER:
+def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False):
+    """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M.
+
+    With `FP8_QUERY` (`hopper_fp8_query.py`) every operand is e4m3: these warps round the query with a scale per row
+    (`_store_query_e4m3`), p is rounded as `2^8 p` (down to 2^-14 it stays a normal e4m3 value) and v^T is read from
+    `v_t`, the loaders' transposed copy of each slot's value columns."""
+    if prog.QUERY_IN_CONSUMER and not FP8_QUERY:  # FP8_QUERY: stored below, with its scales in the row layout
         _store_query(prog, q_lat, q_rope, 4)
     N_ROWS: gl.constexpr = prog.N_ROWS
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, N_ROWS, 16])
+                                                       instr_shape=[16, N_ROWS, 32 if FP8_QUERY else 16])
     toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if FP8_QUERY:
+        score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
+    P_LOG2_SCALE: gl.constexpr = 8.0 if FP8_QUERY else 0.0
 
     qi, _, _ = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, N_ROWS)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -67,21 +74,33 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program):
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
-        s = gl.where(visible, s * prog.qk_scale, float("-inf"))
+        if FP8_QUERY:
+            s = gl.where(visible, s * score_scale[None, :], float("-inf"))
+        else:
+            s = gl.where(visible, s * prog.qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)  # the packed bf16 cast was slower here
+        if FP8_QUERY:
+            p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
+        else:
+            p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)  # the packed bf16 cast was slower here
         m_i = m_new
         # Row sums of the rounded p, kept per token and reduced over the tokens once after the loop, not per tile.
         l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
         p_smem.permute((1, 0)).store(p)
         fence_async_shared()
         acc = acc * alpha[None, :]
-        acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+        if FP8_QUERY:
+            acc = warpgroup_mma(v_t.index(slot), p_smem.permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
-    _narrow_epilogue(acc, m_i, l_acc, prog, s_layout)
+    if FP8_QUERY:  # acc and the row sums both carry p's 2^8
+        _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_acc * (1.0 / 256.0), prog, s_layout)
+    else:
+        _narrow_epilogue(acc, m_i, l_acc, prog, s_layout)
 
 
 @gluon.jit

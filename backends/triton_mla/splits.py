@@ -93,12 +93,13 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
 
 def params_for(tile: Tile | None, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
                sparse: bool = False, kv_fp8: bool = False, lengths: list[int] | None = None,
-               cc_major: int | None = None, ds_mla: bool = False) -> LaunchParams:
+               cc_major: int | None = None, ds_mla: bool = False, fp8_query: bool = False) -> LaunchParams:
     """`tile` (None: `dispatch.default_tile`) with its splits for this shape (`lengths`: the per-request lengths
-    (dense) or top-k per request (sparse), when known; `ds_mla`: the cache is vLLM's fp8_ds_mla rows)."""
+    (dense) or top-k per request (sparse), when known; `ds_mla`: the cache is vLLM's fp8_ds_mla rows; `fp8_query`:
+    the FP8-query backend's tile)."""
     if tile is None:
         tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
-                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla)
+                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     return params_from_tile(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
                             num_sms=num_sms, sparse=sparse, lengths=lengths)
 

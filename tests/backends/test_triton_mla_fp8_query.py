@@ -37,12 +37,21 @@ def test_fp8_query_runs_on_the_narrow_hopper_form_only():
         LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=3, warp_specialized=True)
 
 
-def test_fp8_query_tile_is_the_narrow_form_for_any_head_count():
+def test_fp8_query_tile_is_the_narrow_form_for_any_head_count_and_shape():
     from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
 
     for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (64, 1, 32), (128, 2, 32)):
         tile = fp8_query_tile(num_heads=heads, q_len=q_len)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
+    # the dispatch and the tuner's refinement give it whatever the shape; the refinement varies its splits only
+    from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
+
+    facts = dict(num_heads=64, q_len=1, batch=128, max_items=16384, kv_fp8=True, cc_major=9)
+    assert default_tile(**facts, fp8_query=True) == fp8_query_tile(num_heads=64, q_len=1)
+    tiles = candidate_tiles(**facts, fp8_query=True)
+    assert tiles[0] == fp8_query_tile(num_heads=64, q_len=1) and len(tiles) > 1
+    assert {t.replace(min_split_tokens=0) for t in tiles} == {tiles[0].replace(min_split_tokens=0)}
+    assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])

@@ -21,6 +21,7 @@ from mla_tune.backends.inputs import ragged_lengths
 from mla_tune.backends.interface import DecodeInputs
 from mla_tune.backends.nvml_probe import probe_devices
 from mla_tune.backends.problem import Problem, Shape
+from mla_tune.backends.registry import load_adapter
 from mla_tune.backends.vllm_kernels.triton import num_kv_splits
 from mla_tune.store.repository import Store
 from mla_tune.tuner.presets import KeyWork, TuneSpec
@@ -77,6 +78,7 @@ def test_default_plans_list_every_build_the_units_make_once(tmp_path, monkeypatc
     monkeypatch.setattr(ours, "sm_count", lambda device: H100_SMS)
     plans = _default_plans(tmp_path, max_batch=max_batch)
     assert len(plans) == 16 and all(p.todo for p in plans)
+    assert sum("MLA_TUNE_TRITON_FP8Q" in p.backends for p in plans) == 4   # dense FP8 keys, 16-128 heads
     jobs = triton_jobs(plans, num_sms=H100_SMS, cc_major=9)
     covered = [b for job in jobs for b in job.builds]
     assert len(covered) == len(set(covered))                    # no build is in two jobs: nothing built twice
@@ -86,10 +88,10 @@ def test_default_plans_list_every_build_the_units_make_once(tmp_path, monkeypatc
         for shape in plan.todo:
             for backend in plan.backends:
                 if backend in OUR_TRITON:
-                    adapter = (ours.TritonMLASparse if problem.sparse else ours.TritonMLA)()
+                    adapter = load_adapter(backend)()
                     chosen = [params for _, params in adapter.tile_candidates(problem, _light_inputs(problem, shape))]
                     # The pre-build's launches are the adapter's, in its order, for every unit.
-                    assert our_launches(problem, shape, num_sms=H100_SMS, cc_major=9, seed=0) == chosen
+                    assert our_launches(problem, shape, num_sms=H100_SMS, cc_major=9, seed=0, backend=backend) == chosen
                     for params in chosen:
                         launches += 1
                         needed.update(b for b in launch_builds(problem, params, kv_len=shape.kv_len) if b)
