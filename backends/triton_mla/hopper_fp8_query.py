@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring
 from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
-from mla_tune.backends.triton_mla.hopper_narrow import _clock, _narrow_mma, _probe_base
+from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 
 
 @gluon.jit
@@ -41,8 +41,7 @@ def _fp8q_copy(ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.con
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr, probe_ptr,
-                         PROBE: gl.constexpr):
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
     """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
     into it; once they landed, the latent columns stored once more, transposed, into `v_t`, four tokens of a column
     to a 32-bit store (each thread reads back the bytes it copied, so no barrier between the loader's threads)."""
@@ -52,43 +51,23 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
     BLOCK_N: gl.constexpr = src.BLOCK_N
     row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
                          src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
-    if PROBE:
-        w_empty = _clock(src.n_tiles) * 0
-        w_copy = w_empty
-        w_tr = w_empty
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
-        if PROBE:
-            c0 = _clock(t)
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        if PROBE:
-            c1 = _clock(t)
-            w_empty += c1 - c0
         _fp8q_copy(ring, t, row, ok, layout, rope_layout)
         row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
                              src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
         async_copy.wait_group(0)
-        if PROBE:
-            c2 = _clock(t)
-            w_copy += c2 - c1
         k_lat = ring.k_lat.index(slot)
         for c in gl.static_range(4):
             x = k_lat.slice(c * 128, 128, dim=1).load(layout)
             v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
-        if PROBE:
-            w_tr += _clock(t) - c2
-    if PROBE:
-        if FIRST == 0:
-            base = _probe_base(probe_ptr)
-            gl.store(base + 4, w_empty.to(gl.int32))
-            gl.store(base + 5, w_copy.to(gl.int32))
-            gl.store(base + 6, w_tr.to(gl.int32))
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, probe_ptr=None, PROBE: gl.constexpr = False):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -110,7 +89,7 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, probe_ptr=N
         mbarrier.init(empty_bars.index(i), count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True, probe_ptr, PROBE)),
-        (_fp8q_load_partition, (src, ring, v_t, 0, 2, probe_ptr, PROBE)),
-        (_fp8q_load_partition, (src, ring, v_t, 1, 2, probe_ptr, PROBE))],
+        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

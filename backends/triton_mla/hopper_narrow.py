@@ -41,20 +41,7 @@ def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _clock(x):
-    """The SM's cycle counter (`x`: any scalar, for the asm's operand list)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _probe_base(probe_ptr):
-    pid = (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + gl.program_id(2)
-    return probe_ptr + pid.to(gl.int64) * 8
-
-
-@gluon.jit
-def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False,
-                probe_ptr=None, PROBE: gl.constexpr = False):
+def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M.
 
     With `FP8_QUERY` (`hopper_fp8_query.py`) every operand is e4m3: these warps round the query with a scale per row
@@ -78,27 +65,14 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    if PROBE:
-        c_start = _clock(prog.n_tiles)
-        w_full = c_start * 0
-        w_qk = c_start * 0
-        w_pv = c_start * 0
     for t in range(prog.n_tiles):
-        if PROBE:
-            c0 = _clock(t)
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, toks_s, BLOCK_N,
                                   prog.SPARSE)
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
-        if PROBE:
-            c1 = _clock(slot)
-            w_full += c1 - c0
         kl = ring.k_lat.index(slot)
         s = warpgroup_mma(ring.k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if PROBE:
-            c2 = _clock(gl.max(gl.max(s, 0), 0).to(gl.int32))
-            w_qk += c2 - c1
         visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
         if FP8_QUERY:
             s = gl.where(visible, s * score_scale[None, :], float("-inf"))
@@ -117,24 +91,12 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
         p_smem.permute((1, 0)).store(p)
         fence_async_shared()
         acc = acc * alpha[None, :]
-        if PROBE:
-            c3 = _clock(slot)
         if FP8_QUERY:
             acc = warpgroup_mma(v_t.index(slot), p_smem.permute((1, 0)), acc, is_async=True)
         else:
             acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if PROBE:
-            c4 = _clock(gl.max(gl.max(acc, 0), 0).to(gl.int32))
-            w_pv += c4 - c3
         mbarrier.arrive(ring.empty_bars.index(slot))
-    if PROBE:
-        base = _probe_base(probe_ptr)
-        gl.store(base + 0, (_clock(prog.n_tiles) - c_start).to(gl.int32))
-        gl.store(base + 1, w_full.to(gl.int32))
-        gl.store(base + 2, w_qk.to(gl.int32))
-        gl.store(base + 3, w_pv.to(gl.int32))
-        gl.store(base + 7, prog.n_tiles)
     if FP8_QUERY:  # acc and the row sums both carry p's 2^8
         _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_acc * (1.0 / 256.0), prog, s_layout)
     else:

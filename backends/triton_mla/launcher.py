@@ -149,12 +149,5 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
-    probe = PROBE_BUFFER.get("t")
-    if probe is not None and params.fp8_query:
-        args = args[:4] + (probe,) + args[5:]
-        form = {**form, "PROBE": True}
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
-
-
-PROBE_BUFFER: dict = {}
