@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
     BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES,
-    HOPPER_PINGPONG_MMA_REGS, HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile,
+    HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile,
     packed_rows, rows_bucket)
 
 
@@ -239,10 +239,6 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
     return tiles
 
 
-# The FP8-query form with two MMA warpgroups on alternate tiles (`hopper_narrow._narrow_mma`'s STRIDE 2).
-FP8_QUERY_PINGPONG = False
-
-
 def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = False) -> int:
     """The Hopper kernel's `STAGED_LOADERS` (also the arrivals that fill a narrow FP8 slot): `HOPPER_STAGED_LOADERS`
     in the narrow FP8 form, 1 elsewhere and for fp8_ds_mla rows (two plain loaders, one arrival a tile)."""
@@ -268,14 +264,12 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
-    pingpong = params.fp8_query and FP8_QUERY_PINGPONG
-    load_regs = HOPPER_LOAD_REGS["fp8_query_pingpong" if pingpong else "fp8_query" if params.fp8_query else "ds_mla"
-                                 if ds_mla else "fp8_ahead" if ahead else "fp8" if kv_fp8 else "16bit"]
+    load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
+                                 else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
-        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
-        MMA_REGS=QK1_WORKER_REGS if qk1 else HOPPER_PINGPONG_MMA_REGS if pingpong else 0, PINGPONG=pingpong,
+        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

@@ -129,26 +129,22 @@ class KvSource:
 
 @aggregate
 class Ring:
-    """The KV slots in shared memory (latent and rope parts) and their barriers: tile `t` fills slot `t % STAGES`
-    and signals `full_bars[t % BARS]`, and its readers release it on `empty_bars[t % BARS]`. `BARS` is `STAGES`, or
-    a multiple of it where two MMA warpgroups take alternate tiles: each barrier then serves one of them, so a
-    warpgroup can never mistake a fill meant for the other for its own."""
+    """The KV slots in shared memory (latent and rope parts) and their barriers: `full_bars[s]` when slot `s` holds
+    a tile, `empty_bars[s]` when its readers are done with it."""
 
     k_lat: base_value
     k_rope: base_value
     full_bars: base_value
     empty_bars: base_value
     STAGES: gl.constexpr
-    BARS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k_lat, k_rope, full_bars, empty_bars, STAGES, BARS=None):
+    def __init__(self, k_lat, k_rope, full_bars, empty_bars, STAGES):
         self.k_lat = k_lat
         self.k_rope = k_rope
         self.full_bars = full_bars
         self.empty_bars = empty_bars
         self.STAGES = gl.constexpr(STAGES)
-        self.BARS = gl.constexpr(STAGES if BARS is None else BARS)
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False,
@@ -157,7 +153,7 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
     the rescale factors a slot and the row sums (p itself goes over the slot's rope columns); with `fp8_query`,
     e4m3 query, slots, each slot's v^T and p."""
-    if fp8_query:  # p^T: its own rows * block_n bytes, or (two MMA warpgroups) over a slot's rope columns
+    if fp8_query:
         return rows * 576 + stages * block_n * (576 + 512) + rows * block_n
     narrow = rows < ROWS.value
     return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
@@ -244,8 +240,8 @@ def _full_slot(ring: Ring, t, FENCE_SLOTS: gl.constexpr):
     """(ring slot, barrier phase) of tile `t`, once its loader has filled the slot; fenced for wgmma where
     `FENCE_SLOTS` (cp.async wrote it through the generic proxy, and wgmma reads it asynchronously)."""
     slot = t % ring.STAGES
-    phase = (t // ring.BARS) & 1
-    mbarrier.wait(ring.full_bars.index(t % ring.BARS), phase)
+    phase = (t // ring.STAGES) & 1
+    mbarrier.wait(ring.full_bars.index(slot), phase)
     if FENCE_SLOTS:
         fence_async_shared()
     return slot, phase

@@ -53,9 +53,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
                          src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
-        # the release of tile t - STAGES, the slot's last: tiles under STAGES pass (a fresh barrier's parity 1)
-        before = t + ring.BARS - ring.STAGES
-        mbarrier.wait(ring.empty_bars.index(before % ring.BARS), ((before // ring.BARS) & 1) ^ 1)
+        mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
         _fp8q_copy(ring, t, row, ok, layout, rope_layout)
         row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
                              src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
@@ -65,15 +63,13 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
             x = k_lat.slice(c * 128, 128, dim=1).load(layout)
             v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
         fence_async_shared()
-        mbarrier.arrive(ring.full_bars.index(t % ring.BARS))
+        mbarrier.arrive(ring.full_bars.index(slot))
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
-              MMA_REGS: gl.constexpr = 0):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
-    warpgroup as the default partition, two loaders (one every other tile). `PINGPONG`: two MMA warpgroups on
-    alternate tiles (the second a worker with `MMA_REGS`), p^T over the slots' rope columns."""
+    warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     N_ROWS: gl.constexpr = prog.N_ROWS
     STAGES: gl.constexpr = prog.STAGES
@@ -85,29 +81,15 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, PINGPONG: g
     k_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 512], lat_layout)
     k_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64], narrow_layout)
     v_t = gl.allocate_shared_memory(dtype, [STAGES, 512, BLOCK_N], narrow_layout)
-    BARS: gl.constexpr = 2 * STAGES if PINGPONG else STAGES
-    full_bars = gl.allocate_shared_memory(gl.int64, [BARS, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [BARS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(BARS):
+    p_smem = gl.allocate_shared_memory(dtype, [N_ROWS, BLOCK_N], narrow_layout)
+    full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(full_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
-    ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES, BARS)
-    if PINGPONG:
-        ml = gl.allocate_shared_memory(gl.float32, [2, N_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        merge_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(merge_bars.index(0), count=2)
-        mbarrier.init(merge_bars.index(1), count=1)
-        merge = (ml, merge_bars, k_lat)
-        gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, None, prog, v_t, True, 0, 2, merge)),
-            (_narrow_mma, (q_lat, q_rope, ring, None, prog, v_t, True, 1, 2, merge)),
-            (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
-            (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
-            [4, LOAD_WARPS, LOAD_WARPS], [MMA_REGS, LOAD_REGS, LOAD_REGS])
-    else:
-        p_smem = gl.allocate_shared_memory(dtype, [N_ROWS, BLOCK_N], narrow_layout)
-        gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
-            (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
-            (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
-            [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
+    ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
+    gl.warp_specialize([
+        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
+        [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

@@ -22,11 +22,12 @@ from mla_tune.backends.triton_mla.hopper_loaders import _load_partition, _load_p
 
 
 @gluon.jit
-def _narrow_epilogue(acc, m_i, l_i, prog: Program, s_layout: gl.constexpr):
+def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
     """The partial (or final) output, transposed (each lane's values of one row are 8 columns apart from its
-    neighbours', so the stores still fill 32-byte sectors), and the LSE."""
+    neighbours', so the stores still fill 32-byte sectors), and the LSE; `l_acc`: the per-token row sums."""
     toks_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    l_i = gl.sum(l_acc, 0)
     qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, prog.N_ROWS)
     cols = gl.arange(0, 512, layout=toks_s)
     o_row = (prog.o_ptr + prog.b.to(gl.int64) * prog.stride_ob + prog.split * prog.stride_os + qi * prog.stride_ot
@@ -40,47 +41,12 @@ def _narrow_epilogue(acc, m_i, l_i, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _merge_halves(acc, m_i, l_i, merge, FIRST: gl.constexpr, s_layout: gl.constexpr):
-    """Two MMA warpgroups took alternate tiles: the second (`FIRST` 1) hands its state over shared memory (the
-    slots', once both are done with them; `merge`: (m and l rows, [done, handed] barriers)) and the first merges
-    it into its own, as the combine merges splits. Returns the merged state (the second's is not used)."""
-    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    N_ROWS: gl.constexpr = acc.shape[1]
-    ml, bars, slots = merge
-    acc_smem = slots._reinterpret(gl.float32, [512, N_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    mbarrier.arrive(bars.index(0))
-    if FIRST == 1:
-        mbarrier.wait(bars.index(0), 0)
-        acc_smem.store(acc)
-        ml.index(0).store(m_i)
-        ml.index(1).store(l_i)
-        mbarrier.arrive(bars.index(1))
-    else:
-        mbarrier.wait(bars.index(1), 0)
-        m_2 = ml.index(0).load(rows_s)
-        l_2 = ml.index(1).load(rows_s)
-        m_new = gl.maximum(m_i, m_2)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        alpha_2 = gl.exp2(m_2 - m_safe)
-        acc = acc * alpha[None, :] + acc_smem.load(s_layout) * alpha_2[None, :]
-        l_i = l_i * alpha + l_2 * alpha_2
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False,
-                FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1, merge=None):
+def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M.
 
     With `FP8_QUERY` (`hopper_fp8_query.py`) every operand is e4m3: these warps round the query with a scale per row
     (`_store_query_e4m3`), p is rounded as `2^8 p` (down to 2^-14 it stays a normal e4m3 value) and v^T is read from
-    `v_t`, the loaders' transposed copy of each slot's value columns.
-
-    `STRIDE` 2: two such warpgroups take tiles `FIRST, FIRST + 2, ...` (one's softmax runs while the other's MMAs
-    do), write p^T over their slot's rope columns (`p_smem` None; only the finished score MMAs read them) and merge
-    their states at the end (`_merge_halves`)."""
+    `v_t`, the loaders' transposed copy of each slot's value columns."""
     if prog.QUERY_IN_CONSUMER and not FP8_QUERY:  # FP8_QUERY: stored below, with its scales in the row layout
         _store_query(prog, q_lat, q_rope, 4)
     N_ROWS: gl.constexpr = prog.N_ROWS
@@ -99,15 +65,11 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    for t in range(FIRST, prog.n_tiles, STRIDE):
+    for t in range(prog.n_tiles):
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, toks_s, BLOCK_N,
                                   prog.SPARSE)
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
         kl = ring.k_lat.index(slot)
-        if STRIDE == 2:
-            p_buf = ring.k_rope.index(slot).slice(0, N_ROWS, dim=0)
-        else:
-            p_buf = p_smem
         s = warpgroup_mma(ring.k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -120,29 +82,25 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_safe)
         if FP8_QUERY:
-            p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_buf.dtype)
+            p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
         else:
             p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)  # the packed bf16 cast was slower here
         m_i = m_new
         # Row sums of the rounded p, kept per token and reduced over the tokens once after the loop, not per tile.
         l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-        p_buf.permute((1, 0)).store(p)
+        p_smem.permute((1, 0)).store(p)
         fence_async_shared()
         acc = acc * alpha[None, :]
         if FP8_QUERY:
-            acc = warpgroup_mma(v_t.index(slot), p_buf.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(v_t.index(slot), p_smem.permute((1, 0)), acc, is_async=True)
         else:
-            acc = warpgroup_mma(kl.permute((1, 0)), p_buf.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(kl.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(ring.empty_bars.index(t % ring.BARS))
-    l_i = gl.sum(l_acc, 0)
-    if STRIDE == 2:
-        acc, m_i, l_i = _merge_halves(acc, m_i, l_i, merge, FIRST, s_layout)
-    if FIRST == 0:
-        if FP8_QUERY:  # acc and the row sums both carry p's 2^8
-            _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_i * (1.0 / 256.0), prog, s_layout)
-        else:
-            _narrow_epilogue(acc, m_i, l_i, prog, s_layout)
+        mbarrier.arrive(ring.empty_bars.index(slot))
+    if FP8_QUERY:  # acc and the row sums both carry p's 2^8
+        _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_acc * (1.0 / 256.0), prog, s_layout)
+    else:
+        _narrow_epilogue(acc, m_i, l_acc, prog, s_layout)
 
 
 @gluon.jit
