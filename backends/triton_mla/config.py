@@ -76,7 +76,7 @@ FP8_QUERY_SHAPES = tuple(s.key() for s in HOPPER_FP8_QUERY_SHAPES.values())
 WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE)) + FP8_QUERY_SHAPES
 # 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers; `setmaxnreg` then rebalances them.
 HOPPER_MAXNREG = 168
-HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 128}
+HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 112}
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only

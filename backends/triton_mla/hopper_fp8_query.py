@@ -27,7 +27,7 @@ from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 
 @gluon.jit
 def _fp8q_copy(ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.constexpr):
-    """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok` in `layout`'s rows) into its slot."""
+    """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok` in `layout`'s rows) into its slot, as one commit group."""
     slot = t % ring.STAGES
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
     rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
@@ -37,20 +37,17 @@ def _fp8q_copy(ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.con
     rope_row = gl.convert_layout(row, gl.SliceLayout(1, rope_layout))
     rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
     _async_load(ring.k_rope.index(slot), rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, landed, FIRST: gl.constexpr, STRIDE: gl.constexpr,
-                         TR16: gl.constexpr = 2):
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
     """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
-    into it; once every thread's copies landed (`landed`, one arrival a loader thread), the latent columns stored
-    once more, transposed, into `v_t`."""
-    # The copies: [4 tokens, 16 columns] a thread, 16-byte copies, none bank conflicted.
+    into it; once they landed, the latent columns stored once more, transposed, into `v_t`, four tokens of a column
+    to a 32-bit store (each thread reads back the bytes it copied, so no barrier between the loader's threads)."""
+    # [4 tokens, 16 columns] a thread: 16-byte copies, and four tokens of each column for the transposed store
     layout: gl.constexpr = gl.BlockedLayout([4, 16], [8, 4], [2, 2], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [LOAD_WARPS, 1], [1, 0])
-    # The transposition: [16 tokens, 16 columns] a thread, read as 16-byte rows (none conflicted) and stored as
-    # 16-byte runs of v^T (2-way; four tokens a 32-bit store were 4-way).
-    tr_layout: gl.constexpr = gl.BlockedLayout([16, 16], [4, 8], [1, LOAD_WARPS], [1, 0])
     BLOCK_N: gl.constexpr = src.BLOCK_N
     row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
                          src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
@@ -58,29 +55,19 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, landed, FIRST: gl.const
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
         _fp8q_copy(ring, t, row, ok, layout, rope_layout)
-        if TR16 == 0:
-            async_copy.commit_group()
-        else:
-            async_copy.mbarrier_arrive(landed.index(slot), increment_count=False)
         row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
                              src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
-        if TR16 == 0:
-            async_copy.wait_group(0)
-        else:
-            mbarrier.wait(landed.index(slot), (t // ring.STAGES) & 1)
-        if TR16 == 2:
-            x = ring.k_lat.index(slot).load(tr_layout)
-            v_t.index(slot).store(x.permute((1, 0)))
-        else:
-            for c in gl.static_range(4):
-                x = ring.k_lat.index(slot).slice(c * 128, 128, dim=1).load(layout)
-                v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
+        async_copy.wait_group(0)
+        k_lat = ring.k_lat.index(slot)
+        for c in gl.static_range(4):
+            x = k_lat.slice(c * 128, 128, dim=1).load(layout)
+            v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, TR16: gl.constexpr = 2):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -97,14 +84,12 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, TR16: gl.co
     p_smem = gl.allocate_shared_memory(dtype, [N_ROWS, BLOCK_N], narrow_layout)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
-        mbarrier.init(landed.index(i), count=LOAD_WARPS * 32)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
-        (_fp8q_load_partition, (src, ring, v_t, landed, 0, 2, TR16)),
-        (_fp8q_load_partition, (src, ring, v_t, landed, 1, 2, TR16))],
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
