@@ -109,7 +109,7 @@ def _candidates(work, device: DeviceInfo, options: TuneOptions) -> tuple[tuple[s
     from mla_tune.backends.registry import candidates, runnable_reasons
 
     runnable, ineligible = [], {}
-    for name in options.adapters or candidates():
+    for name in candidates() if options.adapters is None else options.adapters:
         if name in options.skip_backends:
             ineligible[name] = "left out by the operator (--skip-backends)"
             continue

@@ -137,16 +137,15 @@ class LaunchParams:
             raise ValueError("split_scores needs split_d")
         if self.opaque_v_cast and not (self.reload_v and self.fp16_math):
             raise ValueError("opaque_v_cast needs reload_v and fp16_math")
+        shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
         if self.warp_specialized:
             tl_only = [name for name in _TL_ONLY if getattr(self, name)]
             if tl_only:
                 raise ValueError(f"warp_specialized does not take the tl kernel's {', '.join(tl_only)}")
-            shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
             if shape not in WARP_SPECIALIZED_SHAPES:
                 raise ValueError(f"warp_specialized runs (block_h, block_n, num_warps, num_stages) = "
                                  f"{' or '.join(map(str, WARP_SPECIALIZED_SHAPES))} only (227 KiB of shared memory), "
                                  f"got {shape}")
-        shape = (self.block_h, self.block_n, self.num_warps, self.num_stages)
         if self.fp8_query and not (self.warp_specialized and shape in FP8_QUERY_SHAPES):
             raise ValueError(f"fp8_query runs on the narrow Hopper form only, with three slots: warp_specialized and "
                              f"(block_h, block_n, num_warps, num_stages) = {' or '.join(map(str, FP8_QUERY_SHAPES))}")

@@ -98,6 +98,15 @@ def test_the_fp8_query_backend_is_its_own_candidate_on_hopper_fp8_dense():
         assert backend_reasons("MLA_TUNE_TRITON_FP8Q", problem, device), (problem, device)
 
 
+def test_no_engine_is_handed_the_fp8_query_backend_even_where_it_wins():
+    from mla_tune.backends.engine_names import engine_name, rank_for_engine
+
+    for engine in ("vllm", "sglang"):
+        assert engine_name("MLA_TUNE_TRITON_FP8Q", engine, with_plugin=True) is None
+    ranked = rank_for_engine({"MLA_TUNE_TRITON_FP8Q": 9.0, "FLASHMLA": 1.0}, "vllm", with_plugin=True)
+    assert [ours for ours, _, _ in ranked] == ["FLASHMLA"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rows,q_len", [(16, 1), (32, 1), (32, 2)])
 def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(rows, q_len):

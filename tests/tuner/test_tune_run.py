@@ -173,3 +173,18 @@ def test_a_killed_tune_resumes_without_measuring_again(env, monkeypatch):
     assert len(after) == 3 * 2 * 3 and set(before) <= set(after)
     assert report.units_done == 9 - sum(1 for k in {(h, b) for h, _, b in before})
     assert decided == {1, 2, 4} and runs == ["interrupted", "done"]
+
+
+def test_an_empty_adapter_mapping_times_nothing_rather_than_every_registered_backend():
+    from types import SimpleNamespace
+
+    from mla_tune.tuner.run import _candidates
+
+    work = SimpleNamespace(problem=None)
+    device = SimpleNamespace(spec=None)
+    runnable, ineligible, _ = _candidates(work, device, TuneOptions(adapters={}, static_choice="FAKE_GOOD"))
+    assert runnable == () and ineligible == {}
+    runnable, ineligible, _ = _candidates(work, device, TuneOptions(adapters={n: ADAPTERS[n] for n in ("FAKE_GOOD",)},
+                                                                     static_choice="FAKE_GOOD",
+                                                                     skip_backends=frozenset({"FAKE_GOOD"})))
+    assert runnable == () and "FAKE_GOOD" in ineligible
