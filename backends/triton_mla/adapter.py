@@ -60,7 +60,8 @@ def candidate_launches(problem: Problem, *, lengths: list[int], num_sms: int, cc
 
 
 class PreparedTritonMLA:
-    """Outputs and split workspace allocated once; `run` only enqueues the kernels.
+    """Outputs, split workspace and launch order (from the inputs' lengths) made once; `run` only enqueues the
+    kernels.
 
     For an fp8_ds_mla problem `adopt` packs each input set's e4m3 cache into vLLM's 656-byte rows (untimed, as
     FLASHMLA_SPARSE's adapter does) and `run` reads those.
@@ -73,7 +74,8 @@ class PreparedTritonMLA:
         self.out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
         self.lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
         self.workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads,
-                                              sparse=problem.sparse, device=q.device)
+                                              sparse=problem.sparse, device=q.device,
+                                              lengths=[int(n) for n in inputs.seq_lens.tolist()])
         self.copies = ds_mla_copies(problem, "MLA_TUNE_TRITON_SPARSE")
 
     def adopt(self, inputs: DecodeInputs) -> None:

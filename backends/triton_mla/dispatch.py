@@ -143,6 +143,12 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 COMBINE_SPLITS_AT_ONCE = 32
 # The split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
+# With per-request lengths (prepare): how the split model schedules the programs ("longest_first": each on the next
+# free slot, longest first; "waves": in waves as long as their longest), what one program costs beyond its tokens
+# (in KV tokens), and the launch order ("longest_first": splits.launch_order; "grid": request, then split).
+SPLIT_MODEL = "longest_first"
+PROGRAM_TOKENS = 64
+LAUNCH_ORDER = "longest_first"
 # The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)
 REFINE_MAX_TILES = 4

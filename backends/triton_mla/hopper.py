@@ -53,10 +53,15 @@ def _mla_hopper_kernel(
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
+    order_ptr=None, ORDERED: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
+    if ORDERED:  # the (request, split) this program runs, from the prepared launch order (splits.launch_order)
+        piece = gl.load(order_ptr + split * gl.num_programs(1) + b)
+        b = piece & 0xFFFF
+        split = piece >> 16
     seq_len = gl.load(seq_lens_ptr + b)
     if SPARSE:
         n_items = topk

@@ -90,8 +90,10 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
     grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
+    order = workspace.order if workspace is not None else None
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
-                  KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request)
+                  KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
+                  order_ptr=order, ORDERED=order is not None)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items

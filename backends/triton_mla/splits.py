@@ -9,8 +9,11 @@ lengths. Either way `batch x num_splits <= batch + 4 x SMs`, which bounds the wo
 
 from __future__ import annotations
 
+import heapq
+
+from mla_tune.backends.triton_mla import dispatch
 from mla_tune.backends.triton_mla.config import MAX_SPLITS, LaunchParams, Tile, packed_rows
-from mla_tune.backends.triton_mla.dispatch import PARTIAL_ROW_TOKENS, default_tile
+from mla_tune.backends.triton_mla.dispatch import default_tile
 
 
 
@@ -32,31 +35,70 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
                     partial_row_tokens: float | None = None) -> tuple[int, int]:
     """(num_splits, split_items) that minimise the modelled makespan of a ragged batch.
 
-    Splits have a fixed size `s` (a multiple of block_n), so long requests get more of them. The model:
-    `m_blocks x sum(ceil(len / s))` programs run in waves of `num_sms x per_sm` resident programs and a wave
-    lasts as long as its longest program (`s` tokens), so the cost is `waves x s`; ties go to the larger `s`
-    (fewer partials to combine). With more than one split, every program adds `partial_row_tokens x block_h`
-    for writing and re-reading its partial (PARTIAL_ROW_TOKENS by default).
+    Splits have a fixed size `s` (a multiple of block_n), so long requests get more of them. With
+    `dispatch.SPLIT_MODEL` "longest_first" the programs run longest first (`launch_order`) on `num_sms x per_sm`
+    slots, each taken by the next program as it frees (`_longest_first_makespan`); with "waves" they run in waves
+    that last as long as their longest program (`waves x s`). Ties go to the larger `s` (fewer partials to combine).
+    With more than one split, every program adds `partial_row_tokens x block_h` for writing and re-reading its
+    partial (PARTIAL_ROW_TOKENS by default).
     """
-    row_cost = PARTIAL_ROW_TOKENS if partial_row_tokens is None else partial_row_tokens
+    row_cost = dispatch.PARTIAL_ROW_TOKENS if partial_row_tokens is None else partial_row_tokens
     batch, max_len = len(lengths), max(max(lengths), 1)
     cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
     slots = num_sms * per_sm
     lo = cdiv(max(min_split_tokens, block_n), block_n) * block_n
     hi = cdiv(max_len, block_n) * block_n
     best_cost, best_s = None, cdiv(cdiv(max_len, cap), block_n) * block_n
-    step = block_n * max(1, (hi // block_n) // 256)  # at most ~256 candidates
-    for s in range(lo, max(hi, lo) + 1, step):
+    for s in _split_sizes(lo, max(hi, lo), block_n):
         if cdiv(max_len, s) > cap:
             continue
         programs = m_blocks * sum(max(1, cdiv(n, s)) for n in lengths)
-        cost = cdiv(programs, slots) * s
+        if dispatch.SPLIT_MODEL == "longest_first":
+            cost = _longest_first_makespan(lengths, s, m_blocks=m_blocks, slots=slots)
+        else:
+            cost = cdiv(programs, slots) * s
         if cdiv(max_len, s) > 1:
             cost += row_cost * block_h * programs
         if best_cost is None or cost <= best_cost:
             best_cost, best_s = cost, s
     best_s = max(best_s, cdiv(cdiv(max_len, cap), block_n) * block_n)
     return cdiv(max_len, best_s), best_s
+
+
+def _split_sizes(lo: int, hi: int, block_n: int) -> range | list[int]:
+    """The split sizes the model weighs, multiples of block_n from lo to hi: every one up to 64 of them, else about
+    64 spread evenly in log scale (the makespan changes by few percent between neighbours)."""
+    if (hi - lo) // block_n < 64:
+        return range(lo, hi + 1, block_n)
+    ratio = (hi / lo) ** (1 / 63)
+    return sorted({min(hi, cdiv(int(lo * ratio ** i), block_n) * block_n) for i in range(64)} | {hi})
+
+
+def _longest_first_makespan(lengths: list[int], s: int, *, m_blocks: int, slots: int) -> float:
+    """Tokens the busiest slot streams when every program costs its tokens plus `dispatch.PROGRAM_TOKENS` and the
+    programs start longest first, each on the first free slot: the full splits spread evenly, then the rest
+    (largest first) on the least loaded slot."""
+    overhead = dispatch.PROGRAM_TOKENS
+    full = m_blocks * sum(n // s for n in lengths)
+    rows, extra = divmod(full, slots)
+    loads = [(rows + 1) * (s + overhead)] * extra + [rows * (s + overhead)] * (slots - extra)
+    heapq.heapify(loads)
+    for rest in sorted((n % s for n in lengths if n % s or n == 0), reverse=True):
+        for _ in range(m_blocks):
+            heapq.heapreplace(loads, loads[0] + rest + overhead)
+    return max(loads)
+
+
+def launch_order(lengths: list[int], *, split_items: int, num_splits: int) -> list[int]:
+    """The launch order of a dense launch with fixed splits of `split_items`: every (request, split) of the grid as
+    `split << 16 | request`, the longest first (ties: split, request; empty splits last), so the short last splits
+    fill the SMs that free up last. Any order gives the same results: it only decides which program starts when."""
+    if len(lengths) >= 1 << 16 or num_splits >= 1 << 15:
+        raise ValueError(f"launch_order packs requests in 16 bits and splits in 15: {len(lengths)} requests, "
+                         f"{num_splits} splits")
+    pieces = [(min(split_items, n - j * split_items), j, b) for b, n in enumerate(lengths) for j in range(num_splits)]
+    pieces.sort(key=lambda piece: (-max(piece[0], 0), piece[1], piece[2]))
+    return [j << 16 | b for _, j, b in pieces]
 
 
 def m_blocks_of(params: LaunchParams | Tile, *, num_heads: int, q_len: int, sparse: bool) -> int:

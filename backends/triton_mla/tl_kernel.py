@@ -405,11 +405,15 @@ def _mla_split_kernel(
     SPLIT_PER_REQUEST: tl.constexpr = False,
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
     p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
-    DS_MLA: tl.constexpr = False,
+    DS_MLA: tl.constexpr = False, order_ptr=None, ORDERED: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
+    if ORDERED:  # the (request, split) this program runs, from the prepared launch order (splits.launch_order)
+        piece = tl.load(order_ptr + split * tl.num_programs(1) + b)
+        b = piece & 0xFFFF
+        split = piece >> 16
 
     seq_len = tl.load(seq_lens_ptr + b)
     rows = tl.arange(0, BLOCK_H)

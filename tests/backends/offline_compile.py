@@ -41,6 +41,14 @@ def _signature(kernel, const: dict, pointers: dict, *, divisible_strides) -> tup
     return signature, attrs
 
 
+def _order_pointer(const: dict, pointers: dict) -> None:
+    """The launch order's pointer: an int32 array with ORDERED, else the constexpr None the launcher passes."""
+    if const.get("ORDERED"):
+        pointers["order_ptr"] = "*i32"
+    else:
+        const["order_ptr"] = None
+
+
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
                **flags) -> str:
     """PTX for sm_`arch` of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
@@ -50,6 +58,7 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
                  p_scratch_ptr=None)
     const.update(flags)
     pointers = {**_POINTERS, "kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    _order_pointer(const, pointers)
     signature, attrs = _signature(_mla_split_kernel, const, pointers, divisible_strides=lambda n: n != "stride_qh")
     source = ASTSource(_mla_split_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
@@ -81,6 +90,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
+    _order_pointer(const, pointers)
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),

@@ -157,6 +157,45 @@ ADAPTER_CASES = {
 }
 
 
+# Launches in the prepared order (longest first) against the same launches in grid order: ragged lengths off the page
+# size, permuted pages, odd heads, two query tokens, several splits a request.
+ORDER_CASES = {
+    "order_bf16_h5_qlen2": (dict(num_heads=5, page_size=16, q_len=2), (4, 700)),
+    "order_fp8_h3": (dict(num_heads=3, kv_cache_dtype="fp8_e4m3", page_size=16), (5, 900)),
+}
+
+
+def _order_case(problem: Problem, shape: Shape, *, device, params=None, fp8_query=False) -> dict:
+    """MLA_TUNE_TRITON (`fp8_query`: _FP8Q) prepared with `dispatch.LAUNCH_ORDER` "longest_first" and "grid" on the
+    same inputs, with `params` (None: its own choice)."""
+    from mla_tune.backends.triton_mla import dispatch
+    from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLAFp8Query
+
+    inputs = make_inputs(problem, shape, device=device, seed=5)
+    runs = {}
+    for order in ("grid", "longest_first"):
+        dispatch.LAUNCH_ORDER, saved = order, dispatch.LAUNCH_ORDER
+        try:
+            prepared = (TritonMLAFp8Query if fp8_query else TritonMLA)(params).prepare(problem, inputs)
+        finally:
+            dispatch.LAUNCH_ORDER = saved
+        out, lse = prepared.run(inputs)
+        workspace = prepared.workspace
+        runs[order] = (out.clone(), lse.clone(), None if workspace is None or workspace.order is None
+                       else workspace.order.tolist(), prepared.params.num_splits)
+    ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                               sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale)
+    # an order naming request 0's first split for every program: the other requests' partials stay unwritten (NaN)
+    workspace.o_part.fill_(float("nan"))
+    workspace.lse_part.fill_(float("nan"))
+    workspace.order.zero_()
+    wrong, _ = prepared.run(inputs)
+    (out, lse, order, splits), (grid_out, grid_lse, grid_order, _) = runs["longest_first"], runs["grid"]
+    return {"same": bool(torch.equal(out, grid_out) and torch.equal(lse, grid_lse)), "rel_err": _rel_err(out, ref_out),
+            "order": order, "grid_order": grid_order, "splits": splits, "batch": shape.batch_size,
+            "follows_order": bool(wrong[1:].isnan().all()), "ref_out": ref_out}
+
+
 # The split combine on its own: (number of splits, splits loaded together); some splits empty (lse -inf, their
 # partial NaN, as an unwritten workspace can be), one row empty in every split.
 COMBINE_CASES = {f"combine_s{splits}_at{at_once}": (splits, at_once)
@@ -199,6 +238,9 @@ def _worker() -> None:
     results = {name: _adapter_case(Problem(**kw), Shape(*shape), device="cpu")
                for name, (kw, shape) in ADAPTER_CASES.items()}
     results.update({name: _combine_case(*case) for name, case in COMBINE_CASES.items()})
+    for name, (kw, shape) in ORDER_CASES.items():
+        results[name] = _order_case(Problem(**kw), Shape(*shape), device="cpu")
+        del results[name]["ref_out"]
     for name, (kwargs, shape, lens, params, scale_tensor, *q_mult) in CPU_CASES.items():
         results[name] = _run_case(Problem(**kwargs), Shape(*shape), device="cpu", seq_lens=lens,
                                   params=params, scale_tensor=scale_tensor, q_mult=q_mult[0] if q_mult else 1.0)
@@ -227,6 +269,18 @@ def test_interpreted_kernel_matches_reference(interpreted_results, case):
     assert result["lse_err"] < 1e-2, result
     assert result["unseen_rows_ok"], "rows with no visible key must give out 0 and lse -inf"
     assert result["out_dtype_ok"]
+
+
+@pytest.mark.parametrize("case", sorted(ORDER_CASES))
+def test_interpreted_launch_order_changes_no_result(interpreted_results, case):
+    # the prepared order runs the same programs as the grid, so the results are the same bits
+    result = interpreted_results[case]
+    assert result["splits"] > 1 and result["grid_order"] is None, result
+    grid = sorted((split << 16) | b for b in range(result["batch"]) for split in range(result["splits"]))
+    assert sorted(result["order"]) == grid and result["order"] != grid, "a permutation of the grid, not grid order"
+    assert result["same"], result
+    assert result["follows_order"], "the kernel runs the (request, split) the order names"
+    assert result["rel_err"] < (FP8_TOL if "fp8" in case else BF16_TOL), result
 
 
 def test_adapter_splits_a_ragged_batch_by_work(interpreted_results):
@@ -295,21 +349,69 @@ def test_small_batches_take_their_own_tile_up_to_the_measured_batch():
     assert bf16.block_h == TILE_TABLE[("16bit", 32)].block_h, "only measured buckets change"
 
 
-def test_balanced_splits_fill_the_gpu_once_for_one_program_per_sm():
-    from mla_tune.backends.inputs import ragged_lengths
-    from mla_tune.backends.triton_mla.splits import balanced_splits
+def _greedy_makespan(lengths, s, *, m_blocks, slots, overhead):
+    """The makespan of `launch_order`'s programs, each started on the first free slot (one heap step a program)."""
+    import heapq
 
-    for batch, kv_len in [(1, 4096), (4, 16384), (16, 16384), (64, 4096), (128, 32768)]:
+    from mla_tune.backends.triton_mla.splits import launch_order
+
+    num_splits = -(-max(lengths) // s)
+    loads = [0] * slots
+    for piece in launch_order(lengths, split_items=s, num_splits=num_splits):
+        split, b = piece >> 16, piece & 0xFFFF
+        tokens = min(s, lengths[b] - split * s)
+        if tokens > 0 or split == 0:
+            for _ in range(m_blocks):
+                heapq.heapreplace(loads, loads[0] + max(tokens, 0) + overhead)
+    return max(loads)
+
+
+@pytest.mark.parametrize("m_blocks", [1, 3])
+def test_the_split_models_makespan_is_the_longest_first_launchs(m_blocks):
+    # the model's shortcut (full splits spread evenly, then the rest) against the launch order run one program at a
+    # time on the first free slot
+    from mla_tune.backends.inputs import ragged_lengths
+    from mla_tune.backends.triton_mla import dispatch
+    from mla_tune.backends.triton_mla.splits import _longest_first_makespan
+
+    for batch, kv_len, s, slots in [(5, 1000, 64, 4), (37, 4096, 448, 132), (128, 16384, 2624, 132),
+                                    (64, 2000, 2048, 16)]:
+        lengths = ragged_lengths(Shape(batch, kv_len), page_size=64, seed=batch) + [0]
+        assert _longest_first_makespan(lengths, s, m_blocks=m_blocks, slots=slots) == _greedy_makespan(
+            lengths, s, m_blocks=m_blocks, slots=slots, overhead=dispatch.PROGRAM_TOKENS), (batch, kv_len, s)
+
+
+def test_launch_order_runs_the_longest_splits_first_and_every_program_once():
+    from mla_tune.backends.triton_mla.splits import launch_order
+
+    lengths = [1000, 10, 0, 777, 256]
+    order = launch_order(lengths, split_items=256, num_splits=4)
+    pieces = [(piece >> 16, piece & 0xFFFF) for piece in order]
+    assert sorted(pieces) == [(j, b) for j in range(4) for b in range(5)]
+    tokens = [max(0, min(256, lengths[b] - j * 256)) for j, b in pieces]
+    assert tokens == sorted(tokens, reverse=True), "longest first, empty splits last"
+    assert pieces[:7] == [(0, 0), (0, 3), (0, 4), (1, 0), (1, 3), (2, 0), (2, 3)], "ties: split, then request"
+    with pytest.raises(ValueError, match="16 bits"):
+        launch_order([1] * (1 << 16), split_items=64, num_splits=1)
+
+
+def test_balanced_splits_keep_a_large_ragged_batch_within_a_tenth_of_its_work_per_sm():
+    from mla_tune.backends.inputs import ragged_lengths
+    from mla_tune.backends.triton_mla import dispatch
+    from mla_tune.backends.triton_mla.splits import _longest_first_makespan, balanced_splits
+
+    for batch, kv_len, m_blocks in [(1, 4096, 1), (4, 16384, 1), (16, 16384, 2), (64, 4096, 1), (128, 32768, 4),
+                                    (128, 1024, 1)]:
         lengths = ragged_lengths(Shape(batch, kv_len), page_size=64, seed=3)
-        splits, split_items = balanced_splits(lengths=lengths, m_blocks=1, num_sms=132, per_sm=1,
+        splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=132, per_sm=1,
                                               block_n=64, min_split_tokens=256, partial_row_tokens=0.0)
-        programs = sum(math.ceil(n / split_items) for n in lengths)
         assert splits * split_items >= max(lengths), "the splits must cover the longest request"
         assert split_items % 64 == 0 and split_items >= 256
         assert batch * splits <= batch + 4 * 132, "workspace bound"
-        if batch * kv_len >= 132 * 256 * 2:
-            # enough work for every SM: never a nearly empty second wave
-            assert programs % 132 == 0 or programs % 132 > 66 or programs < 132, (batch, kv_len, programs)
+        if batch >= 64 and kv_len >= 4096:
+            per_sm = m_blocks * sum(lengths) / 132
+            makespan = _longest_first_makespan(lengths, split_items, m_blocks=m_blocks, slots=132)
+            assert makespan < 1.1 * (per_sm + dispatch.PROGRAM_TOKENS), (batch, kv_len, makespan, per_sm)
 
 
 def test_mla_decode_names_the_bad_tensor():

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
 from mla_tune.backends.problem import Problem, Shape  # noqa: E402
-from test_triton_mla import EDGE_LENGTHS, _gpu_problem, _run_case, _tol  # noqa: E402
+from test_triton_mla import EDGE_LENGTHS, _gpu_problem, _order_case, _run_case, _tol  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024  # an SM90 block's dynamic shared memory
 
@@ -570,6 +570,28 @@ def test_gpu_hopper_mtp_with_3_and_4_query_tokens(kv_dtype, q_len, heads, sparse
         r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params)
     assert params.warp_specialized and not r["nan"] and r["unseen_rows_ok"] and r["out_dtype_ok"]
     assert r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,q_len", [(3, 1), (20, 2), (128, 1)])
+@pytest.mark.parametrize("form", (*FORMS, "fp8_query"))
+def test_gpu_hopper_launch_order_changes_no_result(kv_dtype, heads, q_len, form):
+    # the prepared order (longest first) against grid order: the same bits, and the kernel runs what it names
+    if form == "fp8_query" and (kv_dtype != "fp8_e4m3" or heads * q_len > 32):
+        pytest.skip("the FP8-query form: an e4m3 cache, up to 32 rows")
+    from mla_tune.backends.inputs import ragged_lengths
+
+    shape = Shape(24, 3000)
+    lens = ragged_lengths(shape, page_size=16, min_len=q_len, seed=5)
+    params = None if form == "fp8_query" else _params(kv_dtype, heads=heads, q_len=q_len, batch=shape.batch_size,
+                                                      max_items=max(lens), lengths=lens, form=form)
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=16, q_len=q_len)
+    r = _order_case(problem, shape, device="cuda", params=params, fp8_query=form == "fp8_query")
+    assert r["splits"] > 1 and r["grid_order"] is None and r["order"] is not None, r["splits"]
+    assert r["same"] and r["follows_order"]
+    assert r["rel_err"] < (6e-2 if form == "fp8_query" else _tol(kv_dtype)), r["rel_err"]  # FP8Q: query in e4m3
 
 
 @pytest.mark.gpu
