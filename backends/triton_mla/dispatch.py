@@ -148,6 +148,8 @@ PARTIAL_ROW_TOKENS = 0.02
 # (in KV tokens), and the launch order ("longest_first": splits.launch_order; "grid": request, then split).
 SPLIT_MODEL = "longest_first"
 PROGRAM_TOKENS = 64
+# Bytes one packed query row's split partial costs: 512 fp32 values written, then read by the combine.
+PARTIAL_ROW_BYTES = 4096
 LAUNCH_ORDER = "longest_first"
 # The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)
