@@ -143,13 +143,17 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 COMBINE_SPLITS_AT_ONCE = 32
 # The split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
-# With per-request lengths (prepare): how the split model schedules the programs ("longest_first": each on the next
-# free slot, longest first; "waves": in waves as long as their longest), what one program costs beyond its tokens
-# (in KV tokens), and the launch order ("longest_first": splits.launch_order; "grid": request, then split).
-SPLIT_MODEL = "longest_first"
+# With per-request lengths (prepare): how the split model schedules the programs, by "dense" / "sparse"
+# ("longest_first": each on the next free slot, longest first; "waves": in waves as long as their longest; every
+# sparse request has top-k items, where waves are exact and the sparse entries above were measured), what one
+# program costs beyond its tokens (in KV tokens), and the dense launch order ("longest_first": splits.launch_order;
+# "grid": request, then split).
+SPLIT_MODEL = {"dense": "longest_first", "sparse": "waves"}
 PROGRAM_TOKENS = 64
-# Bytes one packed query row's split partial costs: 512 fp32 values written, then read by the combine.
-PARTIAL_ROW_BYTES = 4096
+# What one packed query row's split partial costs the whole GPU, in KV tokens of one slot's time: 512 fp32 values
+# written, then read by the combine, 4 KiB against a 576-byte e4m3 token (from 64 rows a slot's tokens take about as
+# long in BF16 as in FP8).
+PARTIAL_ROW_KV_TOKENS = 7.0
 LAUNCH_ORDER = "longest_first"
 # The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import heapq
 
 from mla_tune.backends.triton_mla import dispatch
-from mla_tune.backends.triton_mla.config import (
-    D_LATENT, D_ROPE, DS_MLA_BYTES, MAX_SPLITS, LaunchParams, Tile, packed_rows)
+from mla_tune.backends.triton_mla.config import MAX_SPLITS, LaunchParams, Tile, packed_rows
 from mla_tune.backends.triton_mla.dispatch import default_tile
 
 
@@ -32,26 +31,26 @@ def choose_splits(*, batch: int, m_blocks: int, max_items: int, num_sms: int,
 
 
 def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: int, block_n: int,
-                    min_split_tokens: int, block_h: int = 64, kv_token_bytes: int = 1152,
+                    min_split_tokens: int, block_h: int = 64, model: str = "longest_first",
                     partial_row_tokens: float | None = None) -> tuple[int, int]:
     """(num_splits, split_items) that minimise the modelled makespan of a ragged batch.
 
-    Splits have a fixed size `s` (a multiple of block_n), so long requests get more of them. With
-    `dispatch.SPLIT_MODEL` "longest_first" the programs run longest first (`launch_order`) on `num_sms x per_sm`
-    slots, each taken by the next program as it frees (`_longest_first_makespan`); with "waves" they run in waves
-    that last as long as their longest program (`waves x s`). Ties go to the larger `s` (fewer partials to combine).
+    Splits have a fixed size `s` (a multiple of block_n), so long requests get more of them. With `model`
+    "longest_first" the programs run longest first (`launch_order`) on `num_sms x per_sm` slots, each taken by the
+    next program as it frees (`_longest_first_makespan`); with "waves" they run in waves that last as long as their
+    longest program (`waves x s`). Ties go to the larger `s` (fewer partials to combine).
     With more than one split, every program adds `partial_row_tokens x block_h` for writing and re-reading its
-    partial: by default, longest first, `PARTIAL_ROW_BYTES` over what the slots read of `kv_token_bytes` in that
-    time (the partials stream through the whole GPU's bandwidth, a slot's tokens through its share of it); waves,
+    partial: by default, longest first, PARTIAL_ROW_KV_TOKENS over the slots (the partials stream through the
+    whole GPU, a slot's tokens through its share of it), as far as the programs fill the slots; waves,
     PARTIAL_ROW_TOKENS.
     """
     batch, max_len = len(lengths), max(max(lengths), 1)
     cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
     slots = num_sms * per_sm
+    longest_first = model == "longest_first"
     row_cost = partial_row_tokens
     if row_cost is None:
-        row_cost = (dispatch.PARTIAL_ROW_BYTES / (kv_token_bytes * slots) if dispatch.SPLIT_MODEL == "longest_first"
-                    else dispatch.PARTIAL_ROW_TOKENS)
+        row_cost = dispatch.PARTIAL_ROW_KV_TOKENS / slots if longest_first else dispatch.PARTIAL_ROW_TOKENS
     lo = cdiv(max(min_split_tokens, block_n), block_n) * block_n
     hi = cdiv(max_len, block_n) * block_n
     best_cost, best_s = None, cdiv(cdiv(max_len, cap), block_n) * block_n
@@ -59,12 +58,13 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
         if cdiv(max_len, s) > cap:
             continue
         programs = m_blocks * sum(max(1, cdiv(n, s)) for n in lengths)
-        if dispatch.SPLIT_MODEL == "longest_first":
+        if longest_first:
             cost = _longest_first_makespan(lengths, s, m_blocks=m_blocks, slots=slots)
         else:
             cost = cdiv(programs, slots) * s
         if cdiv(max_len, s) > 1:
-            cost += row_cost * block_h * programs
+            busy = min(1.0, programs / slots) if longest_first else 1.0
+            cost += row_cost * block_h * programs * busy
         if best_cost is None or cost <= best_cost:
             best_cost, best_s = cost, s
     best_s = max(best_s, cdiv(cdiv(max_len, cap), block_n) * block_n)
@@ -107,11 +107,6 @@ def launch_order(lengths: list[int], *, split_items: int, num_splits: int) -> li
     return [j << 16 | b for _, j, b in pieces]
 
 
-def kv_token_bytes(*, kv_fp8: bool, ds_mla: bool = False) -> int:
-    """Bytes of one cached token: 576 values of 2 bytes, or of 1 (e4m3), or vLLM's 656-byte fp8_ds_mla row."""
-    return DS_MLA_BYTES if ds_mla else (D_LATENT + D_ROPE) * (1 if kv_fp8 else 2)
-
-
 def m_blocks_of(params: LaunchParams | Tile, *, num_heads: int, q_len: int, sparse: bool) -> int:
     """Programs along the query axis of one request (grid dimension 0)."""
     rows = packed_rows(num_heads, q_len, sparse=sparse)
@@ -119,7 +114,7 @@ def m_blocks_of(params: LaunchParams | Tile, *, num_heads: int, q_len: int, spar
 
 
 def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
-                     sparse: bool = False, lengths: list[int] | None = None, kv_token_bytes: int = 1152,
+                     sparse: bool = False, lengths: list[int] | None = None,
                      partial_row_tokens: float | None = None) -> LaunchParams:
     """Launch parameters for `tile`, the splits chosen for this shape.
 
@@ -134,7 +129,8 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
                                               per_sm=tile.per_sm, block_n=tile.block_n,
                                               min_split_tokens=tile.min_split_tokens, block_h=tile.block_h,
-                                              kv_token_bytes=kv_token_bytes, partial_row_tokens=partial_row_tokens)
+                                              model=dispatch.SPLIT_MODEL["sparse" if sparse else "dense"],
+                                              partial_row_tokens=partial_row_tokens)
         return LaunchParams(num_splits=splits, split_items=split_items, **fixed)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=tile.min_split_tokens, waves=min(tile.per_sm, 4))
@@ -154,8 +150,7 @@ def params_for(tile: Tile | None, *, num_heads: int, q_len: int, batch: int, max
         tile = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                             kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     return params_from_tile(tile, num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items,
-                            num_sms=num_sms, sparse=sparse, lengths=lengths,
-                            kv_token_bytes=kv_token_bytes(kv_fp8=kv_fp8, ds_mla=ds_mla))
+                            num_sms=num_sms, sparse=sparse, lengths=lengths)
 
 
 def default_params(*, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,

@@ -375,7 +375,7 @@ def test_the_loader_ahead_holds_the_next_tile_as_words_without_spilling(qk1, spa
 @pytest.mark.parametrize("heads,sparse,batch,kv_len,ahead", [
     (64, True, 64, 4096, True), (128, True, 128, 4096, True),    # sparse FP8 on the qk1 form
     (64, True, 4, 4096, False), (128, True, 16, 4096, False),    # the sparse token-split form: left without
-    (64, False, 4, 16384, True), (64, False, 16, 4096, True),    # dense, 8 tiles a program
+    (64, False, 4, 8192, True), (64, False, 16, 4096, True),     # dense, up to 8 tiles a program
     (64, False, 16, 16384, False), (64, False, 128, 16384, False),  # dense, 32 / 256 tiles: slower with it
     (16, True, 128, 4096, False)])                               # the narrow form has its own (staged) loader
 def test_launch_gives_the_loader_ahead_to_sparse_and_short_dense_fp8_qk1_programs(heads, sparse, batch, kv_len,
