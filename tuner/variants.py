@@ -115,8 +115,9 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
     if splits == 1:
         return stage1, None
     block_s = 1 << (splits - 1).bit_length()
-    combine = ("combine", problem.query_dtype, block_s, min(block_s, COMBINE_SPLITS_AT_ONCE),
-               _specs(heads, splits, *o_strides, *l_strides, rows * latent, heads * latent, rows, heads))
+    combine = ("combine", problem.query_dtype, block_s, min(block_s, COMBINE_SPLITS_AT_ONCE), params.longest_first,
+               _specs(heads, splits, *o_strides, *l_strides, rows * latent, heads * latent, rows, heads,
+                      params.split_items if params.longest_first else 0))
     return stage1, combine
 
 

@@ -17,13 +17,17 @@ def _mla_combine_kernel(
     stride_qb, stride_qs, stride_qt, stride_qh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt, stride_lh,
-    num_heads, num_splits,
+    num_heads, num_splits, seq_lens_ptr, split_items,
     D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = 1,
+    SPLITS_OF_LENGTHS: tl.constexpr = False,
 ):
     """One (query token, head) row: the softmax-weighted sum of its splits' partials, `SPLITS_AT_ONCE` splits'
-    partials loaded together (1: one split after the other)."""
+    partials loaded together (1: one split after the other). SPLITS_OF_LENGTHS: only the request's splits of
+    `split_items` that hold tokens were run (the others' partials are stale)."""
     row = tl.program_id(0)  # q_len * heads
     b = tl.program_id(1).to(tl.int64)
+    if SPLITS_OF_LENGTHS:
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + b), split_items), 1), num_splits)
     qi = row // num_heads
     h = row % num_heads
     offs_s = tl.arange(0, BLOCK_S)

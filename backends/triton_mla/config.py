@@ -113,6 +113,8 @@ class LaunchParams:
             (`WARP_SPECIALIZED_SHAPES`); the tl-only fields must stay at their defaults.
         fp8_query: (the narrow Hopper form on an e4m3 cache) the query and p rounded to e4m3 and every product on
             FP8 tensor cores (`hopper_fp8_query.py`); less accurate, so a backend of its own.
+        longest_first: (dense, fixed splits, the lengths known) the programs launched longest first, in an order
+            prepared from the lengths (`splits.launch_order`, kept in the workspace).
     """
 
     block_h: int = 64
@@ -131,6 +133,7 @@ class LaunchParams:
     warp_specialized: bool = False
     split_per_request: bool = False
     fp8_query: bool = False
+    longest_first: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
@@ -149,6 +152,8 @@ class LaunchParams:
         if self.fp8_query and not (self.warp_specialized and shape in FP8_QUERY_SHAPES):
             raise ValueError(f"fp8_query runs on the narrow Hopper form only, with three slots: warp_specialized and "
                              f"(block_h, block_n, num_warps, num_stages) = {' or '.join(map(str, FP8_QUERY_SHAPES))}")
+        if self.longest_first and (self.split_per_request or self.split_items <= 0):
+            raise ValueError("longest_first orders fixed splits: it needs split_items and not split_per_request")
         if self.warp_specialized and not self.fp8_query and shape in FP8_QUERY_SHAPES:
             raise ValueError(f"{shape} is the FP8-query form's launch shape: its 16-bit slots would not fit")
 
@@ -158,7 +163,8 @@ class LaunchParams:
                 f"{f'p{self.hoist_pages}' if self.hoist_pages else ''}{'f' if self.fp16_math else ''}"
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
                 f"{'o' if self.opaque_v_cast else ''}{'W' if self.warp_specialized else ''}"
-                f"{'Q' if self.fp8_query else ''}x{self.num_splits}{'L' if self.split_per_request else ''}")
+                f"{'Q' if self.fp8_query else ''}x{self.num_splits}{'L' if self.split_per_request else ''}"
+                f"{'O' if self.longest_first else ''}")
 
     @property
     def kernel_form(self) -> str:

@@ -58,8 +58,8 @@ def _mla_hopper_kernel(
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    if ORDERED:  # the (request, split) this program runs, from the prepared launch order (splits.launch_order)
-        piece = gl.load(order_ptr + split * gl.num_programs(1) + b)
+    if ORDERED:  # grid (m_blocks, programs): the (request, split) this one runs (splits.launch_order)
+        piece = gl.load(order_ptr + b)
         b = piece & 0xFFFF
         split = piece >> 16
     seq_len = gl.load(seq_lens_ptr + b)

@@ -89,11 +89,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             sm_scale * LOG2E, scale_value, Q_FP16_SCALE if fp16_math else 1.0,
             q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
-    grid = (m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse), batch, splits)
-    order = workspace.order if workspace is not None else None
+    m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
+    order = workspace.order if params.longest_first else None
+    grid = (m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, batch, splits)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
-                  order_ptr=order, ORDERED=order is not None)
+                  order_ptr=order, ORDERED=params.longest_first)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
@@ -109,7 +110,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             num_warps=params.num_warps, num_stages=params.num_stages,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
     if splits > 1:
-        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits)
+        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
+                 lengths=seq_lens if params.longest_first else None, split_items=split_items)
     return compiled
 
 
@@ -127,17 +129,20 @@ def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:
                          f"split_scores; got split_d={params.split_d}, split_scores={params.split_scores}")
 
 
-def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int) -> None:
-    """Stage 2: merge the split partials into `out` / `lse`."""
+def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int,
+             lengths: torch.Tensor | None = None, split_items: int = 0) -> None:
+    """Stage 2: merge the split partials into `out` / `lse`; with `lengths` only each request's splits of
+    `split_items` that hold tokens (a `longest_first` launch runs no other)."""
     batch, q_len = out.shape[0], out.shape[1]
     _mla_combine_kernel[(q_len * num_heads, batch)](
         workspace.o_part, workspace.lse_part, out, lse,
         *o_strides, *l_strides,
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        num_heads, splits,
+        num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
-        SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), num_warps=4,
+        SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), SPLITS_OF_LENGTHS=lengths is not None,
+        num_warps=4,
     )
 
 

@@ -80,11 +80,12 @@ def _split_sizes(lo: int, hi: int, block_n: int) -> range | list[int]:
     return sorted({min(hi, cdiv(int(lo * ratio ** i), block_n) * block_n) for i in range(64)} | {hi})
 
 
-def _longest_first_makespan(lengths: list[int], s: int, *, m_blocks: int, slots: int) -> float:
-    """Tokens the busiest slot streams when every program costs its tokens plus `dispatch.PROGRAM_TOKENS` and the
-    programs start longest first, each on the first free slot: the full splits spread evenly, then the rest
-    (largest first) on the least loaded slot."""
-    overhead = dispatch.PROGRAM_TOKENS
+def _longest_first_makespan(lengths: list[int], s: int, *, m_blocks: int, slots: int,
+                            overhead: int | None = None) -> float:
+    """Tokens the busiest slot streams when every program costs its tokens plus `overhead` (PROGRAM_TOKENS by
+    default) and the programs start longest first, each on the first free slot: the full splits spread evenly, then
+    the rest (largest first) on the least loaded slot."""
+    overhead = dispatch.PROGRAM_TOKENS if overhead is None else overhead
     full = m_blocks * sum(n // s for n in lengths)
     rows, extra = divmod(full, slots)
     loads = [(rows + 1) * (s + overhead)] * extra + [rows * (s + overhead)] * (slots - extra)
@@ -95,15 +96,18 @@ def _longest_first_makespan(lengths: list[int], s: int, *, m_blocks: int, slots:
     return max(loads)
 
 
-def launch_order(lengths: list[int], *, split_items: int, num_splits: int) -> list[int]:
-    """The launch order of a dense launch with fixed splits of `split_items`: every (request, split) of the grid as
-    `split << 16 | request`, the longest first (ties: split, request; empty splits last), so the short last splits
-    fill the SMs that free up last. Any order gives the same results: it only decides which program starts when."""
+def launch_order(lengths: list[int], *, split_items: int) -> list[int]:
+    """The programs of a `longest_first` launch: each split of `split_items` that holds tokens (and split 0 of an
+    empty request, which stores its zeros) as `split << 16 | request`, the longest first (ties: split, request), so
+    the short last splits fill the SMs that free up last. Splits past a request's end are not launched at all: the
+    combine takes each request's split count from its length."""
+    num_splits = max(1, cdiv(max(lengths), split_items))
     if len(lengths) >= 1 << 16 or num_splits >= 1 << 15:
         raise ValueError(f"launch_order packs requests in 16 bits and splits in 15: {len(lengths)} requests, "
                          f"{num_splits} splits")
-    pieces = [(min(split_items, n - j * split_items), j, b) for b, n in enumerate(lengths) for j in range(num_splits)]
-    pieces.sort(key=lambda piece: (-max(piece[0], 0), piece[1], piece[2]))
+    pieces = [(min(split_items, n - j * split_items), j, b)
+              for b, n in enumerate(lengths) for j in range(max(1, cdiv(n, split_items)))]
+    pieces.sort(key=lambda piece: (-piece[0], piece[1], piece[2]))
     return [j << 16 | b for _, j, b in pieces]
 
 
@@ -131,7 +135,8 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
                                               min_split_tokens=tile.min_split_tokens, block_h=tile.block_h,
                                               model=dispatch.SPLIT_MODEL["sparse" if sparse else "dense"],
                                               partial_row_tokens=partial_row_tokens)
-        return LaunchParams(num_splits=splits, split_items=split_items, **fixed)
+        ordered = not sparse and dispatch.LAUNCH_ORDER == "longest_first"
+        return LaunchParams(num_splits=splits, split_items=split_items, longest_first=ordered, **fixed)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=tile.min_split_tokens, waves=min(tile.per_sm, 4))
     if sparse or splits == 1:  # top-k slots are every sparse request's length; one split covers any length

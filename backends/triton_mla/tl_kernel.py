@@ -272,7 +272,7 @@ def _attend_split_d(q_row, q_pe, kv_ptr, bt_row, topk_row, o_ptr, p_scratch_ptr,
     acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     if SPLIT_SCORES:  # this program's two exchange slots (see _exchange)
-        prog = (b * tl.num_programs(2) + split) * tl.num_programs(0) + pid_m
+        prog = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + pid_m
         p_base = p_scratch_ptr + prog.to(tl.int64) * scratch_per_program(BLOCK_H, BLOCK_N)
         p_slots = (p_base.to(tl.pointer_type(q0.dtype), bitcast=True)
                    + rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
@@ -410,8 +410,8 @@ def _mla_split_kernel(
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    if ORDERED:  # the (request, split) this program runs, from the prepared launch order (splits.launch_order)
-        piece = tl.load(order_ptr + split * tl.num_programs(1) + b)
+    if ORDERED:  # grid (m_blocks, programs): the (request, split) this one runs (splits.launch_order)
+        piece = tl.load(order_ptr + b)
         b = piece & 0xFFFF
         split = piece >> 16
 

@@ -5,8 +5,8 @@ Bound: the partials need `batch x num_splits x rows x 512` float32 values plus `
 partials never exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 128 heads, q_len 2, 132 SMs and
 batch 1). With one split the kernel writes `out`/`lse` directly and needs no partials. With `split_scores` every
 program also owns `2 x block_h x (block_n + 2)` 2-byte scratch elements (16.5 KiB for a 64 x 64 tile; about 22 MB
-at 128 heads and batch 128). With the per-request lengths known, a dense launch also keeps its order
-(`splits.launch_order`, 4 bytes a program).
+at 128 heads and batch 128). A `longest_first` launch also keeps its order (`splits.launch_order`,
+4 bytes a program).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_tune.backends.triton_mla import dispatch
 from mla_tune.backends.triton_mla.config import D_LATENT, LaunchParams
 from mla_tune.backends.triton_mla.splits import launch_order, m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import scratch_per_program
@@ -25,7 +24,8 @@ from mla_tune.backends.triton_mla.tl_kernel import scratch_per_program
 class Workspace:
     """Split partials: `o_part` fp32 `[batch, splits, q_len, heads, 512]`, `lse_part` fp32 `[..., heads]`
     (None with one split); `p_scratch`: the split_scores exchange slots (None without it); `order`: int32, the
-    grid's (request, split) pairs in launch order (`splits.launch_order`; None: grid order)."""
+    (request, split) each program runs (`splits.launch_order`, from the prepared lengths: a run on longer requests
+    would miss splits; None: the grid's own)."""
 
     o_part: torch.Tensor | None
     lse_part: torch.Tensor | None
@@ -36,7 +36,7 @@ class Workspace:
     def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
                    device: torch.device, lengths: list[int] | None = None) -> Workspace | None:
         """What a launch with `params` needs, allocated now (None if nothing); `lengths`: the requests' lengths,
-        which a dense launch with fixed splits is ordered by."""
+        which a `longest_first` launch is ordered by."""
         o_part = lse_part = p_scratch = order = None
         if params.num_splits > 1:
             shape = (batch, params.num_splits, q_len, num_heads)
@@ -46,10 +46,10 @@ class Workspace:
             programs = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse) * batch * params.num_splits
             p_scratch = torch.empty(programs * scratch_per_program(params.block_h, params.block_n),
                                     dtype=torch.int16, device=device)
-        if (lengths is not None and not sparse and params.split_items > 0 and not params.split_per_request
-                and dispatch.LAUNCH_ORDER == "longest_first"):
-            order = torch.tensor(launch_order(lengths, split_items=params.split_items,
-                                              num_splits=params.num_splits), dtype=torch.int32, device=device)
+        if params.longest_first:
+            if lengths is None or sparse:
+                raise ValueError("a longest_first launch is ordered by its requests' lengths: dense, with lengths")
+            order = torch.tensor(launch_order(lengths, split_items=params.split_items), dtype=torch.int32, device=device)
         if o_part is None and p_scratch is None and order is None:
             return None
         return cls(o_part, lse_part, p_scratch, order)

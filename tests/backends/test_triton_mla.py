@@ -223,7 +223,8 @@ def _combine_case(splits: int, at_once: int) -> dict:
     lse = torch.empty(batch, q_len, heads)
     _mla_combine_kernel[(q_len * heads, batch)](
         o_part, lse_part, out, lse, *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
-        heads, splits, D_LATENT=d, BLOCK_S=triton.next_power_of_2(splits), SPLITS_AT_ONCE=at_once, num_warps=4)
+        heads, splits, None, 0, D_LATENT=d, BLOCK_S=triton.next_power_of_2(splits), SPLITS_AT_ONCE=at_once,
+        num_warps=4)
     ref_lse = torch.logsumexp(lse_part.double(), dim=1)
     weights = torch.exp(lse_part.double() - ref_lse.unsqueeze(1)).nan_to_num(0.0)  # empty rows: -inf - -inf
     ref = (weights.unsqueeze(-1) * o_part.double().nan_to_num(0.0)).sum(1)
@@ -233,11 +234,43 @@ def _combine_case(splits: int, at_once: int) -> dict:
             "empty_row_zero": bool((out[1, 1, 2] == 0).all())}
 
 
+def _combine_of_lengths_case() -> dict:
+    """`_mla_combine_kernel` with SPLITS_OF_LENGTHS: each request merges only its splits of `split_items` that hold
+    tokens; the others' partials are stale (finite lse, NaN values) and must not be read."""
+    import triton
+
+    from mla_tune.backends.triton_mla import _interpreter
+    from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
+
+    _interpreter.apply()
+    gen = torch.Generator().manual_seed(3)
+    splits, split_items, heads, d = 5, 64, 3, 512
+    seq_lens = torch.tensor([300, 64, 65, 0], dtype=torch.int32)  # 5, 1, 2 and (empty) 1 splits
+    batch = seq_lens.numel()
+    o_part = torch.randn(batch, splits, 1, heads, d, generator=gen)
+    lse_part = torch.randn(batch, splits, 1, heads, generator=gen)
+    ran = [max(1, -(-int(n) // split_items)) for n in seq_lens]
+    for b, k in enumerate(ran):
+        o_part[b, k:] = float("nan")
+    out, lse = torch.empty(batch, 1, heads, d), torch.empty(batch, 1, heads)
+    _mla_combine_kernel[(heads, batch)](
+        o_part, lse_part, out, lse, *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
+        heads, splits, seq_lens, split_items, D_LATENT=d, BLOCK_S=8, SPLITS_AT_ONCE=2, SPLITS_OF_LENGTHS=True,
+        num_warps=4)
+    err = 0.0
+    for b, k in enumerate(ran):
+        ref_lse = torch.logsumexp(lse_part[b, :k].double(), dim=0)
+        ref = (torch.exp(lse_part[b, :k].double() - ref_lse).unsqueeze(-1) * o_part[b, :k].double()).sum(0)
+        err = max(err, float((out[b].double() - ref).abs().max()), float((lse[b].double() - ref_lse).abs().max()))
+    return {"nan": bool(out.isnan().any()), "max_err": err}
+
+
 def _worker() -> None:
     """Subprocess entry: run CPU_CASES under TRITON_INTERPRET=1, print JSON."""
     results = {name: _adapter_case(Problem(**kw), Shape(*shape), device="cpu")
                for name, (kw, shape) in ADAPTER_CASES.items()}
     results.update({name: _combine_case(*case) for name, case in COMBINE_CASES.items()})
+    results["combine_of_lengths"] = _combine_of_lengths_case()
     for name, (kw, shape) in ORDER_CASES.items():
         results[name] = _order_case(Problem(**kw), Shape(*shape), device="cpu")
         del results[name]["ref_out"]
@@ -260,6 +293,11 @@ def test_interpreted_combine_merges_the_splits_exactly(interpreted_results, case
     assert result["lse_ok"] and result["empty_row_zero"], result
 
 
+def test_interpreted_combine_merges_only_the_splits_a_length_holds(interpreted_results):
+    result = interpreted_results["combine_of_lengths"]
+    assert not result["nan"] and result["max_err"] < 1e-5, result
+
+
 @pytest.mark.parametrize("case", sorted(CPU_CASES) + sorted(ADAPTER_CASES))
 def test_interpreted_kernel_matches_reference(interpreted_results, case):
     result = interpreted_results[case]
@@ -276,8 +314,9 @@ def test_interpreted_launch_order_changes_no_result(interpreted_results, case):
     # the prepared order runs the same programs as the grid, so the results are the same bits
     result = interpreted_results[case]
     assert result["splits"] > 1 and result["grid_order"] is None, result
-    grid = sorted((split << 16) | b for b in range(result["batch"]) for split in range(result["splits"]))
-    assert sorted(result["order"]) == grid and result["order"] != grid, "a permutation of the grid, not grid order"
+    ran = sorted(result["order"])
+    assert len(set(ran)) == len(ran) and result["order"] != ran, "each split once, not in grid order"
+    assert len(ran) < result["batch"] * result["splits"], "splits past a request's end are not launched"
     assert result["same"], result
     assert result["follows_order"], "the kernel runs the (request, split) the order names"
     assert result["rel_err"] < (FP8_TOL if "fp8" in case else BF16_TOL), result
@@ -355,9 +394,8 @@ def _greedy_makespan(lengths, s, *, m_blocks, slots, overhead):
 
     from mla_tune.backends.triton_mla.splits import launch_order
 
-    num_splits = -(-max(lengths) // s)
     loads = [0] * slots
-    for piece in launch_order(lengths, split_items=s, num_splits=num_splits):
+    for piece in launch_order(lengths, split_items=s):
         split, b = piece >> 16, piece & 0xFFFF
         tokens = min(s, lengths[b] - split * s)
         if tokens > 0 or split == 0:
@@ -381,18 +419,18 @@ def test_the_split_models_makespan_is_the_longest_first_launchs(m_blocks):
             lengths, s, m_blocks=m_blocks, slots=slots, overhead=dispatch.PROGRAM_TOKENS), (batch, kv_len, s)
 
 
-def test_launch_order_runs_the_longest_splits_first_and_every_program_once():
+def test_launch_order_runs_the_longest_splits_first_and_only_those_that_hold_tokens():
     from mla_tune.backends.triton_mla.splits import launch_order
 
     lengths = [1000, 10, 0, 777, 256]
-    order = launch_order(lengths, split_items=256, num_splits=4)
-    pieces = [(piece >> 16, piece & 0xFFFF) for piece in order]
-    assert sorted(pieces) == [(j, b) for j in range(4) for b in range(5)]
+    pieces = [(piece >> 16, piece & 0xFFFF) for piece in launch_order(lengths, split_items=256)]
+    assert sorted(pieces) == sorted([(j, 0) for j in range(4)] + [(0, 1), (0, 2)] + [(j, 3) for j in range(4)]
+                                    + [(0, 4)]), "every split with tokens once, split 0 of the empty request"
     tokens = [max(0, min(256, lengths[b] - j * 256)) for j, b in pieces]
-    assert tokens == sorted(tokens, reverse=True), "longest first, empty splits last"
-    assert pieces[:7] == [(0, 0), (0, 3), (0, 4), (1, 0), (1, 3), (2, 0), (2, 3)], "ties: split, then request"
+    assert tokens == sorted(tokens, reverse=True), "longest first"
+    assert pieces[:6] == [(0, 0), (0, 3), (0, 4), (1, 0), (1, 3), (2, 0)], "ties: split, then request"
     with pytest.raises(ValueError, match="16 bits"):
-        launch_order([1] * (1 << 16), split_items=64, num_splits=1)
+        launch_order([1] * (1 << 16), split_items=64)
 
 
 def test_balanced_splits_keep_a_large_ragged_batch_within_a_tenth_of_its_work_per_sm():
