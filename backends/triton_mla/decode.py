@@ -87,7 +87,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         topk_indices: int32 `[batch, q_len, topk]` token positions, -1 for unused (sparse).
         params: launch parameters; None derives them from `tile` (or `dispatch.default_tile`), the split
             count from the block-table capacity (top-k for sparse) and, dense, each request's split size from its
-            length on the device, so no host sync and one captured CUDA graph suits any lengths.
+            length on the device, so no host sync and one captured CUDA graph suits any lengths. Parameters with
+            `longest_first` (chosen for known lengths) read `seq_lens` on the host for their launch order.
         tile: a `Tile` or its fields as a dict, e.g. the tuner's choice for this device from
             `mla_tune.kernel_tile(...)`; ignored when `params` is given.
 
@@ -115,8 +116,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                             ds_mla=ds_mla)
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
+    lengths = [int(n) for n in seq_lens.tolist()] if params.longest_first else None  # its order: a host sync
     workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,
-                                     device=q.device)
+                                     device=q.device, lengths=lengths)
     launch(q, kv_cache, block_table, seq_lens, out, lse, sm_scale=sm_scale, kv_scale=kv_scale,
            topk_indices=topk_indices, params=params, workspace=workspace)
     if squeeze:

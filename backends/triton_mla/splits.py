@@ -135,7 +135,9 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
                                               min_split_tokens=tile.min_split_tokens, block_h=tile.block_h,
                                               model=dispatch.SPLIT_MODEL["sparse" if sparse else "dense"],
                                               partial_row_tokens=partial_row_tokens)
-        ordered = not sparse and dispatch.LAUNCH_ORDER == "longest_first"
+        # a grid that fits the slots at once starts every program at once, whatever their order
+        ordered = (not sparse and dispatch.LAUNCH_ORDER == "longest_first"
+                   and m_blocks * batch * splits > num_sms * tile.per_sm)
         return LaunchParams(num_splits=splits, split_items=split_items, longest_first=ordered, **fixed)
     splits = choose_splits(batch=batch, m_blocks=m_blocks, max_items=max_items, num_sms=num_sms,
                            min_split_tokens=tile.min_split_tokens, waves=min(tile.per_sm, 4))

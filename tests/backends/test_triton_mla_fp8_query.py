@@ -166,7 +166,7 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
     if splits is not None:
         from dataclasses import replace
 
-        params = replace(params, num_splits=splits, split_items=0)
+        params = replace(params, num_splits=splits, split_items=0, longest_first=False)
     out, lse = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
                           kv_scale=inputs.kv_scale, params=params)
     ref = dict(block_table=inputs.block_table, seq_lens=inputs.seq_lens, sm_scale=inputs.sm_scale,
