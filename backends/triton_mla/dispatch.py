@@ -150,10 +150,10 @@ PARTIAL_ROW_TOKENS = 0.02
 # "grid": request, then split).
 SPLIT_MODEL = {"dense": "longest_first", "sparse": "waves"}
 PROGRAM_TOKENS = 64
-# What one packed query row's split partial costs the whole GPU, in KV tokens of one slot's time: 512 fp32 values
-# written, then read by the combine, 4 KiB against a 576-byte e4m3 token (from 64 rows a slot's tokens take about as
-# long in BF16 as in FP8).
-PARTIAL_ROW_KV_TOKENS = 7.0
+# What one packed query row's split partial costs in KV tokens, once written by its program and once read by the
+# combine: 512 fp32 values (2 KiB) against a 576-byte e4m3 token (from 64 rows a slot's tokens take about as long
+# in BF16 as in FP8).
+PARTIAL_ROW_KV_TOKENS = 3.5
 LAUNCH_ORDER = "longest_first"
 # The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)

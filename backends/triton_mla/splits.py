@@ -37,20 +37,18 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
 
     Splits have a fixed size `s` (a multiple of block_n), so long requests get more of them. With `model`
     "longest_first" the programs run longest first (`launch_order`) on `num_sms x per_sm` slots, each taken by the
-    next program as it frees (`_longest_first_makespan`); with "waves" they run in waves that last as long as their
-    longest program (`waves x s`). Ties go to the larger `s` (fewer partials to combine).
-    With more than one split, every program adds `partial_row_tokens x block_h` for writing and re-reading its
-    partial: by default, longest first, PARTIAL_ROW_KV_TOKENS over the slots (the partials stream through the
-    whole GPU, a slot's tokens through its share of it), as far as the programs fill the slots; waves,
-    PARTIAL_ROW_TOKENS.
+    next program as it frees (`_longest_first_makespan`), and with more than one split a packed row's partial costs
+    `partial_row_tokens` (PARTIAL_ROW_KV_TOKENS) twice: its program writes it, on its own slot, and the combine
+    reads it, spread over all slots. With "waves" the programs run in waves that last as long as their longest
+    program (`waves x s`) and each partial row adds `partial_row_tokens` (PARTIAL_ROW_TOKENS) to the whole. Ties go
+    to the larger `s` (fewer partials to combine).
     """
     batch, max_len = len(lengths), max(max(lengths), 1)
     cap = max(1, min(MAX_SPLITS, (batch + 4 * num_sms) // batch))
     slots = num_sms * per_sm
     longest_first = model == "longest_first"
-    row_cost = partial_row_tokens
-    if row_cost is None:
-        row_cost = dispatch.PARTIAL_ROW_KV_TOKENS / slots if longest_first else dispatch.PARTIAL_ROW_TOKENS
+    if partial_row_tokens is None:
+        partial_row_tokens = dispatch.PARTIAL_ROW_KV_TOKENS if longest_first else dispatch.PARTIAL_ROW_TOKENS
     lo = cdiv(max(min_split_tokens, block_n), block_n) * block_n
     hi = cdiv(max_len, block_n) * block_n
     best_cost, best_s = None, cdiv(cdiv(max_len, cap), block_n) * block_n
@@ -58,13 +56,12 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
         if cdiv(max_len, s) > cap:
             continue
         programs = m_blocks * sum(max(1, cdiv(n, s)) for n in lengths)
+        partial = partial_row_tokens * block_h if cdiv(max_len, s) > 1 else 0.0
         if longest_first:
-            cost = _longest_first_makespan(lengths, s, m_blocks=m_blocks, slots=slots)
+            cost = _longest_first_makespan(lengths, s, m_blocks=m_blocks, slots=slots,
+                                           overhead=dispatch.PROGRAM_TOKENS + partial) + partial * programs / slots
         else:
-            cost = cdiv(programs, slots) * s
-        if cdiv(max_len, s) > 1:
-            busy = min(1.0, programs / slots) if longest_first else 1.0
-            cost += row_cost * block_h * programs * busy
+            cost = cdiv(programs, slots) * s + partial * programs
         if best_cost is None or cost <= best_cost:
             best_cost, best_s = cost, s
     best_s = max(best_s, cdiv(cdiv(max_len, cap), block_n) * block_n)
@@ -81,7 +78,7 @@ def _split_sizes(lo: int, hi: int, block_n: int) -> range | list[int]:
 
 
 def _longest_first_makespan(lengths: list[int], s: int, *, m_blocks: int, slots: int,
-                            overhead: int | None = None) -> float:
+                            overhead: float | None = None) -> float:
     """Tokens the busiest slot streams when every program costs its tokens plus `overhead` (PROGRAM_TOKENS by
     default) and the programs start longest first, each on the first free slot: the full splits spread evenly, then
     the rest (largest first) on the least loaded slot."""

@@ -81,8 +81,8 @@ def _interpreted_refinement(kv: str) -> dict:
                 for i, (name, step) in enumerate(sorted(steps.items()))}
 
     problem = Problem(num_heads=3, kv_cache_dtype=kv, page_size=16)
-    shape = Shape(2, 150)
-    tiles = candidate_tiles(num_heads=3, q_len=1, batch=2, max_items=150, kv_fp8=kv == "fp8_e4m3")
+    shape = Shape(2, 300)
+    tiles = candidate_tiles(num_heads=3, q_len=1, batch=2, max_items=300, kv_fp8=kv == "fp8_e4m3")
     out = _results(ShapeTask(problem, shape, ("MLA_TUNE_TRITON",)), bench=real_runs)["MLA_TUNE_TRITON"]
     inputs = make_inputs(problem, shape, device=torch.device("cpu"), seed=1)
     got, _ = mla_decode(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens, sm_scale=inputs.sm_scale,
