@@ -1,10 +1,11 @@
 """The split model: how many programs share one request's KV range (flash-decoding), and the resulting launch.
 
 A tile becomes `LaunchParams` once its split count is chosen for a shape: from the per-request lengths where they
-are known (`balanced_splits`, in `prepare`), otherwise from the batch, rows and SMs over the block table's
-capacity (`choose_splits`, no host sync). Without lengths a dense launch sizes each request's splits on the device
-from its own length (`split_per_request`), so a CUDA graph captured for a wide block table follows every step's
-lengths. Either way `batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`).
+are known (`balanced_splits`, in `prepare`; a dense launch then runs its splits longest first, `launch_order`),
+otherwise from the batch, rows and SMs over the block table's capacity (`choose_splits`, no host sync). Without
+lengths a dense launch sizes each request's splits on the device from its own length (`split_per_request`), so a
+CUDA graph captured for a wide block table follows every step's lengths. Either way
+`batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import heapq
 from mla_tune.backends.triton_mla import dispatch
 from mla_tune.backends.triton_mla.config import MAX_SPLITS, LaunchParams, Tile, packed_rows
 from mla_tune.backends.triton_mla.dispatch import default_tile
-
 
 
 def cdiv(a: int, b: int) -> int:

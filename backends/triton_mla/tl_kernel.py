@@ -1,6 +1,7 @@
 """The portable stage-1 kernel (`tl`, any SM80+ GPU and the CPU interpreter): one split of the KV range a program.
 
-Grid `(m_blocks, batch, num_splits)`: a program owns `BLOCK_H` query rows of one request and one contiguous range of
+Grid `(m_blocks, batch, num_splits)`, or with ORDERED `(m_blocks, programs)` read from a prepared order (longest
+first, `splits.launch_order`): a program owns `BLOCK_H` query rows of one request and one contiguous range of
 its KV tokens (dense) or of its top-k list (sparse). Dense rows pack the query block `q_len x heads` into the matrix
 M dimension (row `r` is query token `r // heads`, head `r % heads`), so a KV tile read from HBM serves every head and
 every MTP token at once; sparse rows are heads of one query token (each token has its own top-k list). Each KV tile
