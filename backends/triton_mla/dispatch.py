@@ -141,7 +141,7 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
-# The split model's cost of one split partial, in KV tokens of one program's time per packed query row.
+# The waves split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
 # With per-request lengths (prepare): how the split model schedules the programs, by "dense" / "sparse"
 # ("longest_first": each on the next free slot, longest first; "waves": in waves as long as their longest; every

@@ -141,8 +141,8 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
         lse.stride(0), lse.stride(1), lse.stride(2),
         num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
-        SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE), SPLITS_OF_LENGTHS=lengths is not None,
-        num_warps=4,
+        SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE),
+        SPLITS_OF_LENGTHS=lengths is not None, num_warps=4,
     )
 
 

@@ -49,7 +49,8 @@ class Workspace:
         if params.longest_first:
             if lengths is None or sparse:
                 raise ValueError("a longest_first launch is ordered by its requests' lengths: dense, with lengths")
-            order = torch.tensor(launch_order(lengths, split_items=params.split_items), dtype=torch.int32, device=device)
+            order = torch.tensor(launch_order(lengths, split_items=params.split_items), dtype=torch.int32,
+                                 device=device)
         if o_part is None and p_scratch is None and order is None:
             return None
         return cls(o_part, lse_part, p_scratch, order)

@@ -431,6 +431,22 @@ def test_launch_order_runs_the_longest_splits_first_and_only_those_that_hold_tok
         launch_order([1] * (1 << 16), split_items=64)
 
 
+def test_a_longest_first_launch_needs_fixed_splits_and_the_lengths():
+    from mla_tune.backends.triton_mla.config import LaunchParams
+    from mla_tune.backends.triton_mla.workspace import Workspace
+
+    with pytest.raises(ValueError, match="needs split_items and not split_per_request"):
+        LaunchParams(num_splits=2, longest_first=True)
+    with pytest.raises(ValueError, match="needs split_items and not split_per_request"):
+        LaunchParams(num_splits=2, split_items=64, split_per_request=True, longest_first=True)
+    params = LaunchParams(block_h=16, block_n=16, num_warps=4, num_splits=2, split_items=64, longest_first=True)
+    with pytest.raises(ValueError, match="ordered by its requests' lengths"):
+        Workspace.for_launch(params, batch=2, q_len=1, num_heads=3, sparse=False, device="cpu")
+    workspace = Workspace.for_launch(params, batch=2, q_len=1, num_heads=3, sparse=False, device="cpu",
+                                     lengths=[100, 0])
+    assert workspace.order.tolist() == [0, 1 << 16, 1], "64 tokens of request 0, its last 36, request 1's split 0"
+
+
 def test_balanced_splits_keep_a_large_ragged_batch_within_a_tenth_of_its_work_per_sm():
     from mla_tune.backends.inputs import ragged_lengths
     from mla_tune.backends.triton_mla import dispatch
