@@ -52,7 +52,7 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
     lo = cdiv(max(min_split_tokens, block_n), block_n) * block_n
     hi = cdiv(max_len, block_n) * block_n
     best_cost, best_s = None, cdiv(cdiv(max_len, cap), block_n) * block_n
-    for s in _split_sizes(lo, max(hi, lo), block_n):
+    for s in _split_sizes(lo, max(hi, lo), block_n, fewer=longest_first):
         if cdiv(max_len, s) > cap:
             continue
         programs = m_blocks * sum(max(1, cdiv(n, s)) for n in lengths)
@@ -68,9 +68,12 @@ def balanced_splits(*, lengths: list[int], m_blocks: int, num_sms: int, per_sm: 
     return cdiv(max_len, best_s), best_s
 
 
-def _split_sizes(lo: int, hi: int, block_n: int) -> range | list[int]:
-    """The split sizes the model weighs, multiples of block_n from lo to hi: every one up to 64 of them, else about
-    64 spread evenly in log scale (the makespan changes by few percent between neighbours)."""
+def _split_sizes(lo: int, hi: int, block_n: int, *, fewer: bool) -> range | list[int]:
+    """The split sizes the model weighs, multiples of block_n from lo to hi: with `fewer` (each costs a simulated
+    launch) every one up to 64 of them, else about 64 spread evenly in log scale (the makespan changes by few percent
+    between neighbours); otherwise every one, or up to about 256 evenly spaced."""
+    if not fewer:
+        return range(lo, hi + 1, block_n * max(1, (hi // block_n) // 256))
     if (hi - lo) // block_n < 64:
         return range(lo, hi + 1, block_n)
     ratio = (hi / lo) ** (1 / 63)
