@@ -151,8 +151,8 @@ PARTIAL_ROW_TOKENS = 0.02
 SPLIT_MODEL = {"dense": "longest_first", "sparse": "waves"}
 PROGRAM_TOKENS = 64
 # What one packed query row's split partial costs in KV tokens, once written by its program and once read by the
-# combine: 512 fp32 values (2 KiB) against a 576-byte e4m3 token (from 64 rows a slot's tokens take about as long
-# in BF16 as in FP8).
+# combine: 512 fp32 values (2 KiB) against a 576-byte e4m3 token (from 64 heads BF16 and FP8 launches take about as
+# long on the H200: bench/results/split-order-h200.txt).
 PARTIAL_ROW_KV_TOKENS = 3.5
 LAUNCH_ORDER = "longest_first"
 # The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
