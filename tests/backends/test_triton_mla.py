@@ -108,8 +108,19 @@ def _lse_err(lse, ref) -> float:
     return float(((lse - ref).abs() / (ref.abs() / 10).clamp_min(1.0)).max())
 
 
+def _ramp_keys(inputs, page_size: int, low: float = 0.25) -> None:
+    """Scale each request's token t by `low + (1 - low) t / (len - 1)`, so its scores grow along the request and a
+    row's running max keeps moving (pages found through the block table, as the kernels find them)."""
+    kv = inputs.kv_cache
+    factor = torch.ones(kv.shape[:2], dtype=torch.float32, device=kv.device)
+    for b, n in enumerate(inputs.seq_lens.tolist()):
+        t = torch.arange(n, device=kv.device)
+        factor[inputs.block_table[b, t // page_size].long(), t % page_size] = low + (1 - low) * t / max(n - 1, 1)
+    inputs.kv_cache = (kv.float() * factor[..., None]).to(kv.dtype)
+
+
 def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=None, scale_tensor=False,
-              q_mult=1.0):
+              q_mult=1.0, kv_ramp=False):
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
 
     inputs = make_inputs(problem, shape, device=device, seed=7)
@@ -117,6 +128,8 @@ def _run_case(problem: Problem, shape: Shape, *, device, seq_lens=None, params=N
         inputs.q = inputs.q * q_mult
     if seq_lens is not None:
         inputs.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    if kv_ramp:
+        _ramp_keys(inputs, problem.page_size)
     kv_scale = inputs.kv_scale
     if scale_tensor:
         kv_scale = torch.tensor(kv_scale, dtype=torch.float32, device=device)

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from mla_tune.backends.inputs import make_inputs  # noqa: E402
 from mla_tune.backends.problem import DeviceSpec, Problem, Shape  # noqa: E402
 from mla_tune.backends.reference import mla_reference  # noqa: E402
+from test_triton_mla import _ramp_keys  # noqa: E402
 
 H100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
 
@@ -149,7 +150,8 @@ def _rel(a, b) -> float:
     return float(torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float()))
 
 
-def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0) -> dict:
+def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0,
+                    kv_ramp=False) -> dict:
     from mla_tune.backends.triton_mla import mla_decode
     from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
     from mla_tune.backends.triton_mla.splits import params_from_tile
@@ -159,6 +161,8 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
     inputs.q = inputs.q * q_mult
     if lens is not None:
         inputs.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if kv_ramp:
+        _ramp_keys(inputs, page_size)
     lengths = inputs.seq_lens.tolist()
     params = params_from_tile(fp8_query_tile(num_heads=heads, q_len=q_len), num_heads=heads, q_len=q_len,
                               batch=shape.batch_size, max_items=max(max(lengths), 1), sparse=False, lengths=lengths,
@@ -215,6 +219,18 @@ def test_gpu_fp8_query_edge_lengths(q_len, heads, page_size):
 @pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (32, 64, 16384), (128, 8, 4096), (64, 3, 3001)])
 def test_gpu_fp8_query_long(heads, batch, kv_len):
     _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len)))
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (32, 1), (20, 2), (128, 1)])
+@pytest.mark.parametrize("splits", [1, None])
+def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
+    # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so its lazy reference
+    # moves again and again, and p (rounded as 2^8 p) nears e4m3's largest value before it does
+    lens = [5000, 777, 3001, 64, 17]
+    _assert_close(_fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0,
+                                  kv_ramp=True))
 
 
 @pytest.mark.gpu

@@ -614,6 +614,27 @@ def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len, form):
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (3, 2), (32, 1), (128, 1)])
+@pytest.mark.parametrize("splits", [1, None])
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_hopper_scores_rising_along_the_request(kv_dtype, heads, q_len, splits, form):
+    # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so the narrow form's
+    # lazy reference moves again and again (one split: up to 79 tiles in a program)
+    from dataclasses import replace
+
+    lens = [5000, 777, 3001, 64, 17]
+    params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens, form=form)
+    if splits is not None:
+        params = replace(params, num_splits=splits, split_items=0, longest_first=False)
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=64, q_len=q_len)
+    r = _run_case(problem, Shape(len(lens), 5000), device="cuda", seq_lens=lens, params=params, q_mult=4.0,
+                  kv_ramp=True)
+    assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol(kv_dtype) and r["lse_err"] < 1e-2, r
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("kv_dtype", GPU_KV_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads,page_size", [(3, 1), (16, 64), (20, 16), (32, 1), (64, 1), (128, 64)])
 @pytest.mark.parametrize("form", FORMS)
