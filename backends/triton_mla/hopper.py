@@ -53,7 +53,7 @@ def _mla_hopper_kernel(
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
-    order_ptr=None, ORDERED: gl.constexpr = False, LAZY_MAX: gl.constexpr = False,
+    order_ptr=None, ORDERED: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -95,7 +95,7 @@ def _mla_hopper_kernel(
     if FP8_QUERY:  # e4m3 products (`hopper_fp8_query.py`): slots, query and barriers of its own
         gl.static_assert(N_ROWS < ROWS and KV_FP8 and not DS_MLA and not SPARSE,
                          "FP8_QUERY: the narrow form, dense, on an e4m3 cache")
-        _run_fp8q(src, prog, LOAD_REGS, LAZY_MAX)
+        _run_fp8q(src, prog, LOAD_REGS)
     else:
         # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
         # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.
@@ -117,7 +117,7 @@ def _mla_hopper_kernel(
             mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
         ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
         if N_ROWS < ROWS:
-            _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS, LAZY_MAX)
+            _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
         elif QK1:
             _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
         else:

@@ -67,7 +67,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, LAZY_MAX: gl.constexpr = False):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -89,7 +89,7 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, LAZY_MAX: g
         mbarrier.init(empty_bars.index(i), count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True, LAZY_MAX)),
+        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
         (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
         (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

@@ -21,13 +21,6 @@ from mla_tune.backends.triton_mla.hopper_common import (
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition, _load_partition_staged
 
 
-@gluon.constexpr_function
-def _lazy_margin_log2(fp8_query):
-    """How far (log2) scores may pass a row's reference max before it moves: p stays below 2^8 in fp16/bf16; e4m3
-    p, rounded as `2^8 p`, stays below 2^8.75 = 431, inside e4m3's 448."""
-    return gl.constexpr(0.75 if fp8_query else 8.0)
-
-
 @gluon.jit
 def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
     """The partial (or final) output, transposed (each lane's values of one row are 8 columns apart from its
@@ -48,17 +41,12 @@ def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False,
-                LAZY_MAX: gl.constexpr = False):
+def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M.
 
     With `FP8_QUERY` (`hopper_fp8_query.py`) every operand is e4m3: these warps round the query with a scale per row
     (`_store_query_e4m3`), p is rounded as `2^8 p` (down to 2^-14 it stays a normal e4m3 value) and v^T is read from
-    `v_t`, the loaders' transposed copy of each slot's value columns.
-
-    With `LAZY_MAX` a row's reference max moves only when a tile's scores exceed it by more than the margin
-    (`_lazy_margin_log2`): the tile first asks whether any score does (one flag a thread, reduced over the warpgroup),
-    and only then takes the max over the tokens and rescales; other tiles skip the max and the rescale."""
+    `v_t`, the loaders' transposed copy of each slot's value columns."""
     if prog.QUERY_IN_CONSUMER and not FP8_QUERY:  # FP8_QUERY: stored below, with its scales in the row layout
         _store_query(prog, q_lat, q_rope, 4)
     N_ROWS: gl.constexpr = prog.N_ROWS
@@ -70,7 +58,6 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
     if FP8_QUERY:
         score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     P_LOG2_SCALE: gl.constexpr = 8.0 if FP8_QUERY else 0.0
-    MARGIN: gl.constexpr = _lazy_margin_log2(FP8_QUERY)
 
     qi, _, _ = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, N_ROWS)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -91,40 +78,19 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
             s = gl.where(visible, s * score_scale[None, :], float("-inf"))
         else:
             s = gl.where(visible, s * prog.qk_scale, float("-inf"))
-        if LAZY_MAX:
-            over = gl.max(gl.max((s > (m_i + MARGIN)[None, :]).to(gl.int32), 1), 0)
-            alpha = gl.full([N_ROWS], 1.0, gl.float32, rows_s)
-            if over > 0:  # some row's scores passed its reference by more than the margin
-                m_tile = gl.max(s, 0)
-                m_new = gl.where(m_tile > m_i + MARGIN, m_tile, m_i)
-                # 1 where nothing was visible before (output and sum still 0)
-                alpha = gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_new))
-                l_acc = l_acc * alpha[None, :]
-                m_i = m_new
-            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)  # a row with nothing visible yet
-            if FP8_QUERY:
-                p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
-            else:
-                p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)
-            l_acc = l_acc + p.to(gl.float32)
-            p_smem.permute((1, 0)).store(p)
-            fence_async_shared()
-            if over > 0:
-                acc = acc * alpha[None, :]
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        if FP8_QUERY:
+            p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
         else:
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = gl.exp2(m_i - m_safe)
-            if FP8_QUERY:
-                p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
-            else:
-                p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)  # the packed bf16 cast was slower here
-            m_i = m_new
-            # Row sums of the rounded p, kept per token and reduced over the tokens once after the loop, not per tile.
-            l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
-            p_smem.permute((1, 0)).store(p)
-            fence_async_shared()
-            acc = acc * alpha[None, :]
+            p = gl.exp2(s - m_safe[None, :]).to(kl.dtype)  # the packed bf16 cast was slower here
+        m_i = m_new
+        # Row sums of the rounded p, kept per token and reduced over the tokens once after the loop, not per tile.
+        l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
+        p_smem.permute((1, 0)).store(p)
+        fence_async_shared()
+        acc = acc * alpha[None, :]
         if FP8_QUERY:
             acc = warpgroup_mma(v_t.index(slot), p_smem.permute((1, 0)), acc, is_async=True)
         else:
@@ -139,7 +105,7 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
 
 @gluon.jit
 def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
-                LOAD_REGS: gl.constexpr, LAZY_MAX: gl.constexpr = False):
+                LOAD_REGS: gl.constexpr):
     """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
     warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
     per slot, for a 16-bit cache or fp8_ds_mla rows, whose loaders also ask the L2 for their tile after next)."""
@@ -151,18 +117,18 @@ def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if STAGED_LOADERS == 2:
             gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, None, False, LAZY_MAX)),
+                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
                 (_load_partition_staged, (src, ring, stage, 0, 1)),
                 (_load_partition_staged, (src, ring, stage, 1, 1))],
                 [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, None, False, LAZY_MAX)),
+                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
                 (_load_partition_staged, (src, ring, stage))],
                 [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, None, False, LAZY_MAX)),
+            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
             (_load_partition, (src, ring, 0, 2, src.DS_MLA)),
             (_load_partition, (src, ring, 1, 2, src.DS_MLA))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
