@@ -40,10 +40,22 @@ def _fp8q_copy(ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.con
     async_copy.commit_group()
 
 
-# Reads each copied 128-column block back as 4 tokens x 16 columns a thread, lanes and warps placed so that both the
-# 16-byte reads from the slot (128-byte swizzle) and the 4-byte transposed stores into v^T (64-byte swizzle) are at
-# most two-way bank conflicted (the copy's own layout: reads conflict-free, stores four-way); the loader's warps
-# then read bytes another warp copied, so they meet at a barrier first.
+# Triton 3.9 renamed gl.thread_barrier to gl.barrier
+_GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
+
+
+@gluon.jit
+def _loader_barrier():
+    """The loader partition's threads meet, under either name Triton gives the barrier."""
+    if _GL_BARRIER:
+        gl.barrier()
+    else:
+        gl.thread_barrier()
+
+
+# The layout in which a loader reads each copied 128-column block back for its v^T: 4 tokens x 16 columns a thread,
+# lanes and warps placed so that Triton writes v^T with stmatrix and the 16-byte reads from the slot (128-byte
+# swizzle) are at most two-way bank conflicted (in the copy's own layout the 4-byte transposed stores were four-way).
 _TRANSPOSE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4], [0, 8]],
     lane_bases=[[4, 0], [8, 0], [0, 32], [16, 0], [32, 0]],
@@ -51,12 +63,11 @@ _TRANSPOSE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr,
-                         TWO_WAY_TRANSPOSE: gl.constexpr = False):
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
     """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
-    into it; once they landed, the latent columns stored once more, transposed, into `v_t`, four tokens of a column
-    to a 32-bit store (each thread reads back the bytes it copied, so no barrier between the loader's threads)."""
-    # [4 tokens, 16 columns] a thread: 16-byte copies, and four tokens of each column for the transposed store
+    into it; once they landed and the loader's warps met at a barrier, the latent columns read back
+    (`_TRANSPOSE_LAYOUT`) and stored once more, transposed, into `v_t`."""
+    # [4 tokens, 16 columns] a thread: 16-byte copies, conflict-free in the slot's 128-byte swizzle
     layout: gl.constexpr = gl.BlockedLayout([4, 16], [8, 4], [2, 2], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [LOAD_WARPS, 1], [1, 0])
     BLOCK_N: gl.constexpr = src.BLOCK_N
@@ -70,21 +81,16 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
                              src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
         async_copy.wait_group(0)
         k_lat = ring.k_lat.index(slot)
-        if TWO_WAY_TRANSPOSE:
-            gl.thread_barrier()
-            for c in gl.static_range(4):
-                x = k_lat.slice(c * 128, 128, dim=1).load(_TRANSPOSE_LAYOUT)
-                v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
-        else:
-            for c in gl.static_range(4):
-                x = k_lat.slice(c * 128, 128, dim=1).load(layout)
-                v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
+        _loader_barrier()  # the read-back takes bytes other threads of this loader copied
+        for c in gl.static_range(4):
+            x = k_lat.slice(c * 128, 128, dim=1).load(_TRANSPOSE_LAYOUT)
+            v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, TWO_WAY_TRANSPOSE: gl.constexpr = False):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -107,6 +113,6 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, TWO_WAY_TRA
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
-        (_fp8q_load_partition, (src, ring, v_t, 0, 2, TWO_WAY_TRANSPOSE)),
-        (_fp8q_load_partition, (src, ring, v_t, 1, 2, TWO_WAY_TRANSPOSE))],
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

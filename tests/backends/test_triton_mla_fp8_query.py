@@ -119,9 +119,10 @@ def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(row
     # per tile: the scores 2 + 16 k-steps of 32 (rope, latent), o^T = v^T p^T 8 m-blocks x 2 k-steps; nothing in fp16
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
     assert mmas and set(mmas) == {(f"m64n{rows}k32", "e4m3", "e4m3")} and len(mmas) == 34, mmas[:3]
-    # the loaders copy e4m3 bytes (cp.async) and store v^T four tokens to a 32-bit word; the only e4m3 -> fp16
-    # casts are p's, for the row sums (16 or 8 values a thread, two a cast)
-    assert "cp.async.cg.shared.global" in ptx and "st.shared.b32" in ptx
+    # the loaders copy e4m3 bytes (cp.async) and store v^T with stmatrix (their read-back layout's purpose: four-way
+    # conflicted 32-bit stores otherwise); the only e4m3 -> fp16 casts are p's, for the row sums (16 or 8 values a
+    # thread, two a cast)
+    assert "cp.async.cg.shared.global" in ptx and len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == 32
     assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == rows // 4
     # three slots of e4m3 tokens and their v^T
     assert hopper_smem_bytes(block_n=64, stages=3, rows=rows, fp8_query=True) <= smem <= 227 * 1024, smem
@@ -226,11 +227,14 @@ def test_gpu_fp8_query_long(heads, batch, kv_len):
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (32, 1), (20, 2), (128, 1)])
 @pytest.mark.parametrize("splits", [1, None])
 def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
-    # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so its lazy reference
-    # moves again and again, and p (rounded as 2^8 p) nears e4m3's largest value before it does
+    # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so the output and the
+    # sums are rescaled again and again. Scores this large make the softmax follow the query's rounding (6-7 % from
+    # the float32 reference on an H200, above the gate's limit), so the kernel is held to the reference on the query
+    # rounded as it rounds it, and its lse to what p's rounding may move (log(1 + 2^-4))
     lens = [5000, 777, 3001, 64, 17]
-    _assert_close(_fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0,
-                                  kv_ramp=True))
+    r = _fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0, kv_ramp=True)
+    assert not r["nan"] and r["unseen_rows_ok"], r
+    assert r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 0.061, r
 
 
 @pytest.mark.gpu

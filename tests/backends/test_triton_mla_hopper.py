@@ -618,8 +618,8 @@ def test_gpu_hopper_dense_long(kv_dtype, heads, batch, kv_len, q_len, form):
 @pytest.mark.parametrize("splits", [1, None])
 @pytest.mark.parametrize("form", FORMS)
 def test_gpu_hopper_scores_rising_along_the_request(kv_dtype, heads, q_len, splits, form):
-    # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so the narrow form's
-    # lazy reference moves again and again (one split: up to 79 tiles in a program)
+    # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so the output and the
+    # sums are rescaled again and again (one split: up to 79 tiles in a program)
     from dataclasses import replace
 
     lens = [5000, 777, 3001, 64, 17]
