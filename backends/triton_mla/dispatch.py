@@ -136,8 +136,6 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
 # Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
 HOPPER_CONSUMER_FENCE = False
-# The FP8-query loaders copy a token's 64 rope bytes with four lanes (else 32 bytes with two).
-FP8Q_ROPE_ROWS = True
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
@@ -286,5 +284,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        ROPE_ROWS=params.fp8_query and FP8Q_ROPE_ROWS)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

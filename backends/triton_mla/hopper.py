@@ -53,7 +53,7 @@ def _mla_hopper_kernel(
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
-    order_ptr=None, ORDERED: gl.constexpr = False, ROPE_ROWS: gl.constexpr = False,
+    order_ptr=None, ORDERED: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -95,7 +95,7 @@ def _mla_hopper_kernel(
     if FP8_QUERY:  # e4m3 products (`hopper_fp8_query.py`): slots, query and barriers of its own
         gl.static_assert(N_ROWS < ROWS and KV_FP8 and not DS_MLA and not SPARSE,
                          "FP8_QUERY: the narrow form, dense, on an e4m3 cache")
-        _run_fp8q(src, prog, LOAD_REGS, ROPE_ROWS)
+        _run_fp8q(src, prog, LOAD_REGS)
     else:
         # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
         # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.

@@ -63,18 +63,14 @@ _TRANSPOSE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr,
-                         ROPE_ROWS: gl.constexpr = False):
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
     """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
     into it; once they landed and the loader's warps met at a barrier, the latent columns read back
     (`_TRANSPOSE_LAYOUT`) and stored once more, transposed, into `v_t`."""
     # 16-byte copies, eight lanes over 128 bytes of one token (fewer global lines an instruction than four lanes over
     # 64 bytes), conflict-free in the slot's 128-byte swizzle; the rope's 64 bytes of a token to four lanes
     layout: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])
-    if ROPE_ROWS:
-        rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    else:
-        rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [LOAD_WARPS, 1], [1, 0])
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     BLOCK_N: gl.constexpr = src.BLOCK_N
     row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
                          src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
@@ -95,7 +91,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, ROPE_ROWS: gl.constexpr = False):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -118,6 +114,6 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, ROPE_ROWS: 
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
-        (_fp8q_load_partition, (src, ring, v_t, 0, 2, ROPE_ROWS)),
-        (_fp8q_load_partition, (src, ring, v_t, 1, 2, ROPE_ROWS))],
+        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
+        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
