@@ -5,7 +5,7 @@ launched with `dispatch.NAME` replaced by the value of a Python expression in di
 "NAME=EXPR; NAME2=EXPR2" changes two), also while its CUDA graphs are captured, so each graph keeps its own kernel.
 All are checked against the float32 reference, then timed together with the other --backends by `bench/kernels.py`'s
 timing (`mla_tune.tuner.timing`: CUDA graphs over L2-rotated copies, interleaved replays). Shapes where the default
-tile is not of --form are skipped.
+tile is not of --form are skipped. The table goes to stdout, and with --out to that file as well (no file without it).
 
     python3 bench/forms_ab.py --form qk1 --heads 64,128 \\
         --set "QK1_QUERY_REG_COLS={}"   # B: no query columns in registers
@@ -126,8 +126,33 @@ def run_shape(shape, args, env) -> list[dict]:
     return rows
 
 
+class Lines:
+    """What main prints, also written to `path` (--out) when one is given."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "w") if path else None  # closed by close()
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+        if self.file:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    emit = Lines(args.out)
+    try:
+        return _run(args, emit)
+    finally:
+        emit.close()
+
+
+def _run(args, emit: Lines) -> int:
     import torch
 
     from mla_tune.backends.problem import DeviceSpec
@@ -138,26 +163,26 @@ def main(argv=None) -> int:
     env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
     env["matmul_tflops"] = timing.measure_matmul_tflops()
     for i, switches in enumerate(args.variants):
-        print(f"# forms_ab: variant {variant_name(i, args.ours)}: "
-              + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
-    print("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
-    print("# lengths: ragged, up to kv_len (make_inputs' default; bench/kernels.py times uniform ones unless --ragged)")
-    print("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
-    print(kernels.HEADER)
+        emit(f"# forms_ab: variant {variant_name(i, args.ours)}: "
+             + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
+    emit("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
+    emit("# lengths: ragged, up to kv_len (make_inputs' default; bench/kernels.py times uniform ones unless --ragged)")
+    emit("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
+    emit(kernels.HEADER)
     logs = {variant_name(i, args.ours): [] for i in range(len(args.variants))}
     for shape in kernels.grid(args):
         rows = run_shape(shape, args, env)
         for r in rows:
-            print(kernels.format_row(r), flush=True)
+            emit(kernels.format_row(r))
         times = {r["backend"]: r["median_us"] for r in rows if r.get("median_us")}
         for name, log in logs.items():
             if name in times and ours_of(shape, args) in times:
                 log.append(math.log(times[ours_of(shape, args)] / times[name]))
-                print(f"# {shape}: A / {name[-1]} = {math.exp(log[-1]):.3f}", flush=True)
+                emit(f"# {shape}: A / {name[-1]} = {math.exp(log[-1]):.3f}")
     for name, log in logs.items():
         if log:
-            print(f"# A / {name[-1]} over {len(log)} shapes: geomean {math.exp(sum(log) / len(log)):.3f}, "
-                  f"range {math.exp(min(log)):.3f}-{math.exp(max(log)):.3f}")
+            emit(f"# A / {name[-1]} over {len(log)} shapes: geomean {math.exp(sum(log) / len(log)):.3f}, "
+                 f"range {math.exp(min(log)):.3f}-{math.exp(max(log)):.3f}")
     return 0
 
 

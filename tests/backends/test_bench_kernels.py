@@ -97,3 +97,15 @@ def test_forms_ab_switches_each_variants_dispatch_values_only_while_it_launches(
             dispatch.COMBINE_SPLITS_AT_ONCE) == before
     with pytest.raises(SystemExit, match="dispatch has no NOPE"):
         ab.SwitchedRunner(Runner(), [("NOPE", 1)]).run("z")
+
+
+def test_forms_ab_writes_what_it_prints_to_out(tmp_path, capsys):
+    ab = load("forms_ab")
+    assert ab.parse_args(["--set", "COMBINE_SPLITS_AT_ONCE=8", "--out", str(tmp_path / "ab.txt")]).out
+    emit = ab.Lines(str(tmp_path / "ab.txt"))
+    emit("# A / B over 1 shapes: geomean 0.963")
+    emit.close()
+    assert (tmp_path / "ab.txt").read_text() == "# A / B over 1 shapes: geomean 0.963\n"
+    assert capsys.readouterr().out == "# A / B over 1 shapes: geomean 0.963\n"
+    ab.Lines(None)("stdout only")
+    assert capsys.readouterr().out == "stdout only\n"
