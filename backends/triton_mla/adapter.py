@@ -75,13 +75,8 @@ class PreparedTritonMLA:
         self.lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
         self.workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads,
                                               sparse=problem.sparse, device=q.device,
-                                              lengths=self._order_lengths(params, inputs))
+                                              seq_lens=inputs.seq_lens)
         self.copies = ds_mla_copies(problem, "MLA_TUNE_TRITON_SPARSE")
-
-    @staticmethod
-    def _order_lengths(params: LaunchParams, inputs: DecodeInputs) -> list[int] | None:
-        """The requests' lengths a `longest_first` launch is ordered by (a host sync, untimed); None otherwise."""
-        return [int(n) for n in inputs.seq_lens.tolist()] if params.longest_first else None
 
     def adopt(self, inputs: DecodeInputs) -> None:
         """Pack this input set's FP8 cache into fp8_ds_mla rows (untimed); other caches are read as they are."""

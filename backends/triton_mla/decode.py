@@ -116,9 +116,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                             ds_mla=ds_mla)
     out = torch.empty(batch, q_len, num_heads, D_LATENT, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=q.device)
-    lengths = [int(n) for n in seq_lens.tolist()] if params.longest_first else None  # its order: a host sync
     workspace = Workspace.for_launch(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,
-                                     device=q.device, lengths=lengths)
+                                     device=q.device, seq_lens=seq_lens)
     launch(q, kv_cache, block_table, seq_lens, out, lse, sm_scale=sm_scale, kv_scale=kv_scale,
            topk_indices=topk_indices, params=params, workspace=workspace)
     if squeeze:

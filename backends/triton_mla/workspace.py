@@ -34,9 +34,9 @@ class Workspace:
 
     @classmethod
     def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
-                   device: torch.device, lengths: list[int] | None = None) -> Workspace | None:
-        """What a launch with `params` needs, allocated now (None if nothing); `lengths`: the requests' lengths,
-        which a `longest_first` launch is ordered by."""
+                   device: torch.device, seq_lens: torch.Tensor | None = None) -> Workspace | None:
+        """What a launch with `params` needs, allocated now (None if nothing); `seq_lens`: the requests' lengths,
+        which a `longest_first` launch is ordered by (read on the host for such a launch only)."""
         o_part = lse_part = p_scratch = order = None
         if params.num_splits > 1:
             shape = (batch, params.num_splits, q_len, num_heads)
@@ -47,8 +47,9 @@ class Workspace:
             p_scratch = torch.empty(programs * scratch_per_program(params.block_h, params.block_n),
                                     dtype=torch.int16, device=device)
         if params.longest_first:
-            if lengths is None or sparse:
+            if seq_lens is None or sparse:
                 raise ValueError("a longest_first launch is ordered by its requests' lengths: dense, with lengths")
+            lengths = [int(n) for n in seq_lens.tolist()]
             order = torch.tensor(launch_order(lengths, split_items=params.split_items), dtype=torch.int32,
                                  device=device)
         if o_part is None and p_scratch is None and order is None:

@@ -456,7 +456,7 @@ def test_a_longest_first_launch_needs_fixed_splits_and_the_lengths():
     with pytest.raises(ValueError, match="ordered by its requests' lengths"):
         Workspace.for_launch(params, batch=2, q_len=1, num_heads=3, sparse=False, device="cpu")
     workspace = Workspace.for_launch(params, batch=2, q_len=1, num_heads=3, sparse=False, device="cpu",
-                                     lengths=[100, 0])
+                                     seq_lens=torch.tensor([100, 0], dtype=torch.int32))
     assert workspace.order.tolist() == [0, 1 << 16, 1], "64 tokens of request 0, its last 36, request 1's split 0"
 
 
