@@ -65,21 +65,33 @@ HOPPER_TOKEN_SPLIT_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=8, num_
 # Narrow form for 16 or 32 rows: one MMA warpgroup on transposed products, one or two loader warpgroups.
 HOPPER_NARROW_SHAPES = {32: HopperShape(block_h=32, block_n=64, num_warps=4, num_stages=2, warps_run=12),
                         16: HopperShape(block_h=16, block_n=64, num_warps=4, num_stages=2, warps_run=12)}
-# The narrow form on e4m3 tensor cores (`fp8_query`): e4m3 slots and their v^T (68 KiB a slot) leave room for three.
-HOPPER_FP8_QUERY_SHAPES = {rows: dataclasses.replace(shape, num_stages=3)
-                           for rows, shape in HOPPER_NARROW_SHAPES.items()}
+# The FP8-query forms (`fp8_query`): the narrow form on e4m3 tensor cores for 16-32 rows, whose e4m3 slots and their
+# v^T (68 KiB a slot) leave room for three; for 64 rows the wide form (`hopper_fp8_query_wide.py`): launched with 4
+# warps (the scorer, which also copies the tiles), the two p @ v warpgroups are workers; three 36 KiB token slots.
+HOPPER_FP8_QUERY_SHAPES = {**{rows: dataclasses.replace(shape, num_stages=3)
+                              for rows, shape in HOPPER_NARROW_SHAPES.items()},
+                           64: HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=3, warps_run=12)}
 # The qk1 form: launched with 4 warps (warpgroup 0, which scores); warpgroup 1 and the loader are workers.
 HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2, warps_run=12)
 # The Hopper shape by rows bucket (16 and 32: narrow; 64: token-split).
 HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
 FP8_QUERY_SHAPES = tuple(s.key() for s in HOPPER_FP8_QUERY_SHAPES.values())
 WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE)) + FP8_QUERY_SHAPES
-# 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers; `setmaxnreg` then rebalances them.
-HOPPER_MAXNREG = 168
+_WARPS_RUN = {s.key(): s.warps_run for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE,
+                                             *HOPPER_FP8_QUERY_SHAPES.values())}
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 112}
+# The wide FP8-query form's p @ v warpgroups (a 64 x 256 fp32 accumulator each); its scorer gets the rest.
+FP8_QUERY_WIDE_PV_REGS = 168
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
+
+
+def hopper_maxnreg(params) -> int:
+    """The `maxnreg` a Hopper launch of `params` takes: the SM's 64 Ki registers over every warp it runs, a multiple
+    of 8 (setmaxnreg's unit): 168 for 12 warps, 128 for 16; `setmaxnreg` then rebalances them between partitions."""
+    warps = _WARPS_RUN[(params.block_h, params.block_n, params.num_warps, params.num_stages)]
+    return 65536 // (warps * 32) // 8 * 8
 # The 64-row tl tiles need 180-216 KB of shared memory: only Hopper and Blackwell datacenter parts have it.
 BIG_TILE_CC_MAJORS = (9, 10)
 
@@ -111,8 +123,9 @@ class LaunchParams:
         opaque_v_cast: FP8 V reload cast by an inline-asm `cvt`, so V reaches the MMA through `ldmatrix.trans`.
         warp_specialized: run the Gluon Hopper kernel (`hopper.py`, SM90 only) in the form its shape names
             (`WARP_SPECIALIZED_SHAPES`); the tl-only fields must stay at their defaults.
-        fp8_query: (the narrow Hopper form on an e4m3 cache) the query and p rounded to e4m3 and every product on
-            FP8 tensor cores (`hopper_fp8_query.py`); less accurate, so a backend of its own.
+        fp8_query: (an e4m3 cache) the query and p rounded to e4m3 and every product on FP8 tensor cores: the
+            narrow Hopper form for 16-32 rows (`hopper_fp8_query.py`), the wide form for 64
+            (`hopper_fp8_query_wide.py`); less accurate, so a backend of its own.
         longest_first: (dense, fixed splits, the lengths known) the programs launched longest first, in an order
             prepared from the lengths (`splits.launch_order`, kept in the workspace).
     """
@@ -150,7 +163,7 @@ class LaunchParams:
                                  f"{' or '.join(map(str, WARP_SPECIALIZED_SHAPES))} only (227 KiB of shared memory), "
                                  f"got {shape}")
         if self.fp8_query and not (self.warp_specialized and shape in FP8_QUERY_SHAPES):
-            raise ValueError(f"fp8_query runs on the narrow Hopper form only, with three slots: warp_specialized and "
+            raise ValueError(f"fp8_query runs on the FP8-query Hopper forms only: warp_specialized and "
                              f"(block_h, block_n, num_warps, num_stages) = {' or '.join(map(str, FP8_QUERY_SHAPES))}")
         if self.longest_first and (self.split_per_request or self.split_items <= 0):
             raise ValueError("longest_first orders fixed splits: it needs split_items and not split_per_request")
@@ -168,10 +181,12 @@ class LaunchParams:
 
     @property
     def kernel_form(self) -> str:
-        """The kernel these parameters run: "tl" (`tl_kernel.py`), or the Hopper kernel's "token_split", "narrow"
-        or "qk1" form."""
+        """The kernel these parameters run: "tl" (`tl_kernel.py`), or the Hopper kernel's "token_split", "narrow",
+        "qk1" or "fp8_query_wide" form (the 16-32 row FP8-query form is "narrow")."""
         if not self.warp_specialized:
             return "tl"
+        if self.fp8_query and self.block_h >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
+            return "fp8_query_wide"
         if self.block_h < HOPPER_TOKEN_SPLIT_SHAPE.block_h:
             return "narrow"
         return "qk1" if self.num_warps == HOPPER_QK1_SHAPE.num_warps else "token_split"

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
     BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES,
-    HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, LaunchParams, Tile, hopper_tile,
-    packed_rows, rows_bucket)
+    HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, FP8_QUERY_WIDE_PV_REGS, LaunchParams,
+    Tile, hopper_tile, packed_rows, rows_bucket)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,10 +217,17 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
     return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
 
 
+# Packed rows from which the FP8-query backend runs its wide form (64 rows a program, one scorer and two p @ v
+# warpgroups) instead of 32-row narrow blocks.
+FP8_QUERY_WIDE_MIN_ROWS = 33
+
+
 def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
-    """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form, 16 rows for up to 16
-    packed rows, 32 above (64 and 128 rows run two and four row blocks over each KV tile)."""
-    bucket = 16 if packed_rows(num_heads, q_len, sparse=False) <= 16 else 32
+    """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form for up to 32 packed rows
+    (16 rows for up to 16), the wide form from FP8_QUERY_WIDE_MIN_ROWS (128 rows: two row blocks over each KV tile),
+    otherwise 32-row blocks."""
+    rows = packed_rows(num_heads, q_len, sparse=False)
+    bucket = 16 if rows <= 16 else 64 if rows >= FP8_QUERY_WIDE_MIN_ROWS else 32
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
 
@@ -276,12 +283,14 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     max_tiles = LOADER_AHEAD_FORMS.get(form, 0)
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
+    wide = form[0] == "fp8_query_wide"
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
-        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1, MMA_REGS=QK1_WORKER_REGS if qk1 else 0,
+        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
+        MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

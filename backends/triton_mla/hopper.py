@@ -9,8 +9,9 @@ compute on the other slot. The kernel has three forms, chosen by the launch shap
 - narrow (`hopper_narrow.py`): 16 or 32 rows, one MMA warpgroup on transposed products;
 - qk1 (`hopper_qk1.py`): 64 rows, warpgroup 0 scores the whole tile and hands p to warpgroup 1.
 
-With `FP8_QUERY` (`LaunchParams.fp8_query`, an e4m3 cache) the narrow form runs on e4m3 tensor cores instead, with
-slots and loaders of its own (`hopper_fp8_query.py`).
+With `FP8_QUERY` (`LaunchParams.fp8_query`, an e4m3 cache) every product runs on e4m3 tensor cores instead, with
+slots and loaders of its own: the narrow form for 16-32 rows (`hopper_fp8_query.py`), the wide form for 64
+(`hopper_fp8_query_wide.py`: a scorer warpgroup, which also copies the tiles, and two p @ v warpgroups).
 
 A program is the same unit as in the tl kernel (packed query rows x one split of the KV range) and writes the same
 `(out, lse)` partials, merged by `combine._mla_combine_kernel`. Shared memory: the query (64 x 576 x 2 bytes = 72 KiB)
@@ -27,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, hopper_smem_bytes)
 from mla_tune.backends.triton_mla.hopper_fp8_query import _run_fp8q
+from mla_tune.backends.triton_mla.hopper_fp8_query_wide import _run_fp8q_wide
 from mla_tune.backends.triton_mla.hopper_narrow import _run_narrow
 from mla_tune.backends.triton_mla.hopper_qk1 import _run_qk1
 from mla_tune.backends.triton_mla.hopper_token_split import _run_token_split
@@ -92,10 +94,12 @@ def _mla_hopper_kernel(
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,
                    SPARSE, KV_FP8, DS_MLA)
-    if FP8_QUERY:  # e4m3 products (`hopper_fp8_query.py`): slots, query and barriers of its own
-        gl.static_assert(N_ROWS < ROWS and KV_FP8 and not DS_MLA and not SPARSE,
-                         "FP8_QUERY: the narrow form, dense, on an e4m3 cache")
-        _run_fp8q(src, prog, LOAD_REGS)
+    if FP8_QUERY:  # e4m3 products (`hopper_fp8_query*.py`): slots, query and barriers of their own
+        gl.static_assert(KV_FP8 and not DS_MLA and not SPARSE, "FP8_QUERY: dense, on an e4m3 cache")
+        if N_ROWS < ROWS:
+            _run_fp8q(src, prog, LOAD_REGS)
+        else:
+            _run_fp8q_wide(src, prog, MMA_REGS)
     else:
         # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
         # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.

@@ -152,9 +152,12 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
     the rescale factors a slot and the row sums (p itself goes over the slot's rope columns); with `fp8_query`,
-    e4m3 query, slots, each slot's v^T and p."""
+    e4m3 query, slots, v^T (narrow: one a slot; wide: one) and p (wide: two, with their rescale factors)."""
     if fp8_query:
-        return rows * 576 + stages * block_n * (576 + 512) + rows * block_n
+        narrow = rows < ROWS.value
+        v_slots, p_bufs = (stages, 1) if narrow else (1, 2)
+        return (rows * 576 + stages * block_n * 576 + v_slots * 512 * block_n + p_bufs * rows * block_n
+                + (0 if narrow else (p_bufs + 1) * rows * 4))
     narrow = rows < ROWS.value
     return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
             + (block_n * 576 if narrow and kv_fp8 and not ds_mla else 0) + ((stages + 1) * rows * 4 if qk1 else 0))
@@ -296,7 +299,12 @@ def _epilogue(acc, m_i, l_i, prog: Program, o_layout: gl.constexpr, rows_m: gl.c
     _store_out(o_row[:, None] + cols_o[None, :], values, (ok_o & prog.store_o)[:, None] & (cols_o[None, :] < 512),
                prog.EVICT_LAST)
     if WRITE_LSE:
-        qi_l, h_l, ok_l = _rows(prog.pid_m, prog.num_heads, rows_m, prog.Q_LEN, prog.SPARSE)
-        lse = _lse(m_i, gl.convert_layout(l_i, rows_m))
-        gl.store(prog.lse_ptr + prog.b.to(gl.int64) * prog.stride_lb + prog.split * prog.stride_ls
-                 + qi_l * prog.stride_lt + h_l * prog.stride_lh, lse, mask=ok_l)
+        _store_lse(m_i, gl.convert_layout(l_i, rows_m), prog, rows_m)
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, prog: Program, rows_m: gl.constexpr):
+    """The 64-row forms' LSE from the base-2 running max `m_i` and the row sums `l_i` (both in `rows_m`)."""
+    qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_m, prog.Q_LEN, prog.SPARSE)
+    gl.store(prog.lse_ptr + prog.b.to(gl.int64) * prog.stride_lb + prog.split * prog.stride_ls + qi * prog.stride_lt
+             + h * prog.stride_lh, _lse(m_i, l_i), mask=ok)

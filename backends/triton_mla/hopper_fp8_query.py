@@ -46,7 +46,7 @@ _GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
 
 @gluon.jit
 def _loader_barrier():
-    """The loader partition's threads meet, under either name Triton gives the barrier."""
+    """The partition's threads meet, under either name Triton gives the barrier."""
     if _GL_BARRIER:
         gl.barrier()
     else:
@@ -62,30 +62,42 @@ _TRANSPOSE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[0, 16], [0, 64]], block_bases=[], shape=[64, 128]))
 
 
+# 16-byte copies, eight lanes over 128 bytes of one token (fewer global lines an instruction than four lanes over 64
+# bytes), conflict-free in the slot's 128-byte swizzle; the rope's 64 bytes of a token to four lanes
+_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([4, 16], [4, 8], [LOAD_WARPS.value, 1], [1, 0]))
+_ROPE_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS.value, 1], [1, 0]))
+
+
+@gluon.jit
+def _next_rows(src: KvSource, t):
+    """Row pointers and validity of tile `t` of the program's range, in `_COPY_LAYOUT`'s rows."""
+    return _tile_rows(src.start + t * src.BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
+                      src.stride_kvp, src.stride_kvt, _COPY_LAYOUT, src.BLOCK_N, src.PAGE_SIZE, src.SPARSE)
+
+
+@gluon.jit
+def _store_v_t(k_lat, v_t, COL0: gl.constexpr = 0, N_COLS: gl.constexpr = 512):
+    """A slot's latent columns `COL0 .. COL0 + N_COLS - 1` (`k_lat`, `[tokens, 512]`, landed and seen by this
+    partition's threads) read back in `_TRANSPOSE_LAYOUT` and stored transposed into `v_t` (`[N_COLS, tokens]`)."""
+    for c in gl.static_range(N_COLS // 128):
+        x = k_lat.slice(COL0 + c * 128, 128, dim=1).load(_TRANSPOSE_LAYOUT)
+        v_t.slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
+
+
 @gluon.jit
 def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
     """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
     into it; once they landed and the loader's warps met at a barrier, the latent columns read back
     (`_TRANSPOSE_LAYOUT`) and stored once more, transposed, into `v_t`."""
-    # 16-byte copies, eight lanes over 128 bytes of one token (fewer global lines an instruction than four lanes over
-    # 64 bytes), conflict-free in the slot's 128-byte swizzle; the rope's 64 bytes of a token to four lanes
-    layout: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [LOAD_WARPS, 1], [1, 0])
-    rope_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
-    BLOCK_N: gl.constexpr = src.BLOCK_N
-    row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
-                         src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
+    row, ok = _next_rows(src, FIRST)
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        _fp8q_copy(ring, t, row, ok, layout, rope_layout)
-        row, ok = _tile_rows(src.start + (t + STRIDE) * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
-                             src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
+        _fp8q_copy(ring, t, row, ok, _COPY_LAYOUT, _ROPE_COPY_LAYOUT)
+        row, ok = _next_rows(src, t + STRIDE)
         async_copy.wait_group(0)
-        k_lat = ring.k_lat.index(slot)
         _loader_barrier()  # the read-back takes bytes other threads of this loader copied
-        for c in gl.static_range(4):
-            x = k_lat.slice(c * 128, 128, dim=1).load(_TRANSPOSE_LAYOUT)
-            v_t.index(slot).slice(c * 128, 128, dim=0).store(x.permute((1, 0)))
+        _store_v_t(ring.k_lat.index(slot), v_t.index(slot))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
 

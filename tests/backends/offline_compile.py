@@ -69,7 +69,8 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`qk1`: the qk1 form), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs
+    (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile), `kv` one of bf16, fp16,
+    fp8 and fp8_ds_mla, with the constexprs
     `dispatch.hopper_constexprs` gives a one-split launch, then `overrides`."""
     import subprocess
     import tempfile
@@ -77,13 +78,16 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
-    from mla_tune.backends.triton_mla.dispatch import HOPPER_QK1_TILE, HOPPER_TILES, hopper_constexprs
+    from mla_tune.backends.triton_mla.config import LaunchParams, hopper_maxnreg
+    from mla_tune.backends.triton_mla.dispatch import (
+        HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs)
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
 
     ds_mla = kv == "fp8_ds_mla"
     fp8 = kv == "fp8" or ds_mla
-    params = LaunchParams(**(HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows]).launch_fields())
+    tile = (fp8_query_tile(num_heads=rows, q_len=1) if overrides.get("FP8_QUERY") else HOPPER_QK1_TILE if qk1
+            else HOPPER_TILES[rows])
+    params = LaunchParams(**tile.launch_fields())
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
                  **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1, ds_mla=ds_mla))
@@ -94,7 +98,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
+                              options={"num_warps": params.num_warps, "maxnreg": hopper_maxnreg(params)})
     ptx = compiled.asm["ptx"]
     ptxas = get_ptxas(90).path  # the one Triton itself uses for sm_90 (3.9: a newer one than bin/ptxas)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,7 @@
-"""MLA_TUNE_TRITON_FP8Q: the narrow Hopper form on FP8 tensor cores (`hopper_fp8_query.py`, `LaunchParams.fp8_query`).
+"""MLA_TUNE_TRITON_FP8Q: the Hopper kernel on FP8 tensor cores (`LaunchParams.fp8_query`): the narrow form for 16-32
+rows (`hopper_fp8_query.py`), the wide form for 64 (`hopper_fp8_query_wide.py`).
 
-CPU: what the launch parameters, the launcher and the registry accept; marked `slow`, the form compiles for sm_90a
+CPU: what the launch parameters, the launcher and the registry accept; marked `slow`, the forms compile for sm_90a
 offline with e4m3 wgmma only and no cast of the tiles. GPU (marker `gpu`, Hopper only): against the float32
 reference (the gate's FP8-query limit) and, tighter, against the reference run on the query rounded the way the
 kernel rounds it, so what is left is the rounding of p.
@@ -24,24 +25,39 @@ from test_triton_mla import _ramp_keys  # noqa: E402
 H100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
 
 
-def test_fp8_query_runs_on_the_narrow_hopper_form_only():
+def test_fp8_query_runs_on_the_fp8_query_forms_only():
     from mla_tune.backends.triton_mla import LaunchParams
 
-    LaunchParams(block_h=32, block_n=64, num_warps=4, num_stages=3, warp_specialized=True, fp8_query=True)
+    for rows in (16, 32, 64):
+        params = LaunchParams(block_h=rows, block_n=64, num_warps=4, num_stages=3, warp_specialized=True,
+                              fp8_query=True)
+        assert params.kernel_form == ("fp8_query_wide" if rows == 64 else "narrow")
     for fields in (dict(block_h=64, block_n=64, num_warps=8, num_stages=2, warp_specialized=True),
+                   dict(block_h=64, block_n=64, num_warps=4, num_stages=2, warp_specialized=True),
                    dict(block_h=32, block_n=64, num_warps=4, num_stages=2, warp_specialized=True),
                    dict(block_h=16, block_n=32, num_warps=4, num_stages=2)):
-        with pytest.raises(ValueError, match="narrow Hopper form only"):
+        with pytest.raises(ValueError, match="FP8-query Hopper forms only"):
             LaunchParams(**fields, fp8_query=True)
     # three slots hold e4m3 tiles, not 16-bit ones
-    with pytest.raises(ValueError, match="FP8-query form's launch shape"):
-        LaunchParams(block_h=16, block_n=64, num_warps=4, num_stages=3, warp_specialized=True)
+    for rows in (16, 64):
+        with pytest.raises(ValueError, match="FP8-query form's launch shape"):
+            LaunchParams(block_h=rows, block_n=64, num_warps=4, num_stages=3, warp_specialized=True)
 
 
-def test_fp8_query_tile_is_the_narrow_form_for_any_head_count_and_shape():
+def test_the_wide_form_launches_12_warps_and_the_others_keep_their_registers():
+    from mla_tune.backends.triton_mla import LaunchParams
+    from mla_tune.backends.triton_mla.config import hopper_maxnreg
+    from mla_tune.backends.triton_mla.dispatch import HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile
+
+    tiles = [fp8_query_tile(num_heads=h, q_len=1) for h in (16, 32, 64)] + [HOPPER_QK1_TILE, *HOPPER_TILES.values()]
+    assert {hopper_maxnreg(LaunchParams(**t.launch_fields())) for t in tiles} == {168}
+
+
+def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above():
     from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
 
-    for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (64, 1, 32), (128, 2, 32)):
+    for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (32, 1, 32), (33, 1, 64),
+                               (20, 2, 64), (64, 1, 64), (128, 2, 64)):
         tile = fp8_query_tile(num_heads=heads, q_len=q_len)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
     # the dispatch and the tuner's refinement give it whatever the shape; the refinement varies its splits only
@@ -128,6 +144,27 @@ def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(row
     assert hopper_smem_bytes(block_n=64, stages=3, rows=rows, fp8_query=True) <= smem <= 227 * 1024, smem
     # none with Triton 3.6 (what the GPU runs), 8 bytes with 3.9
     assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 64, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_len):
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
+
+    ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True)
+    # the scorer: 2 + 16 k-steps of m64n64k32 (rope, latent) a tile; each p @ v warpgroup: 2 k-steps of m64n256k32
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
+    assert sorted(set(mmas)) == [("m64n256k32", "e4m3", "e4m3"), ("m64n64k32", "e4m3", "e4m3")], mmas[:3]
+    assert mmas.count(("m64n64k32", "e4m3", "e4m3")) == 18 and mmas.count(("m64n256k32", "e4m3", "e4m3")) == 4
+    # the scorer copies e4m3 bytes (cp.async); each p @ v warpgroup stores its 256 columns of v^T with stmatrix
+    assert "cp.async.cg.shared.global" in ptx and len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == 16
+    # 12 warps at 168 registers: the p @ v warpgroups' 128-register accumulators fit
+    assert re.search(r"\.maxnreg 168", ptx) and ".reqntid 384" in ptx
+    assert hopper_smem_bytes(block_n=64, stages=3, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
+    # the scorer's query rounding (256 values a thread) spills once, before the loop
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 512, report
 
 
 # ---------------------------------------------------------------- GPU (Hopper)
@@ -224,7 +261,7 @@ def test_gpu_fp8_query_long(heads, batch, kv_len):
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("heads,q_len", [(16, 1), (32, 1), (20, 2), (128, 1)])
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (32, 1), (20, 2), (48, 1), (64, 1), (128, 1)])
 @pytest.mark.parametrize("splits", [1, None])
 def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
     # keys scaled up along each request and a 4x query: a row's max grows tile after tile, so the output and the

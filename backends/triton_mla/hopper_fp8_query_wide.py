@@ -1,0 +1,158 @@
+"""The wide FP8-query form: 64 query rows on e4m3 tensor cores, the scores and `p @ v` in different warpgroups.
+
+The narrow FP8-query form (`hopper_fp8_query.py`) runs 64 and 128 heads as two and four 32-row programs, each
+copying and transposing every KV tile and running its scores, softmax and `p @ v` one after the other in one
+warpgroup. Here one program takes 64 rows in 12 warps, with no loader partition (a 64 x 512 fp32 output takes half
+the register file, so 16 warps, at most 128 registers each, cannot hold it beside anything else):
+
+- the scorer (the default partition, warpgroup 0) rounds the query to e4m3 (a scale per row, as the narrow form),
+  issues the `cp.async` copy of tile t + 2 into a ring of three token slots, scores tile t with the rows on M
+  (`s = q k^T`, one m64n64 chain over 576 columns: the row max and sums stay within a quad of lanes) and hands p
+  (`2^8 p` in e4m3) and the tile's rescale factors over one of two shared buffers;
+- two p @ v warpgroups each write their 256 of the tile's latent columns transposed into a v^T buffer of their own
+  (8-bit wgmma takes only K-major operands; `hopper_fp8_query._store_v_t`'s read-back layout), release the token
+  slot, and multiply p by them (`o += p v`); at the end they write those output columns with the scorer's row sums.
+
+Shared memory: the query (36 KiB), three token slots (108 KiB), the two v^T halves (32 KiB), two p buffers (8 KiB).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+from mla_tune.backends.triton_mla.hopper_common import (
+    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
+from mla_tune.backends.triton_mla.hopper_fp8_query import (
+    _COPY_LAYOUT, _ROPE_COPY_LAYOUT, _fp8q_copy, _loader_barrier, _next_rows, _store_v_t)
+
+P_BUFFERS = gl.constexpr(2)
+COPIES_AHEAD = gl.constexpr(2)  # tiles whose copies are in flight while the scorer scores one (three token slots)
+P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
+
+
+@gluon.jit
+def _issue_copy(src: KvSource, ring: Ring, t):
+    """`cp.async` of tile `t`'s e4m3 rows (none past the program's range) into its token slot once the slot's
+    previous tile is released, as one commit group."""
+    slot = t % ring.STAGES
+    mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
+    row, ok = _next_rows(src, t)
+    _fp8q_copy(ring, t, row, ok, _COPY_LAYOUT, _ROPE_COPY_LAYOUT)
+
+
+@gluon.jit
+def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
+                 prog: Program):
+    """Warpgroup 0: the e4m3 query; per tile the copy of the tile `COPIES_AHEAD` on, the scores, the online softmax
+    and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
+    and the LSE."""
+    BLOCK_N: gl.constexpr = prog.BLOCK_N
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    for t in gl.static_range(COPIES_AHEAD):
+        _issue_copy(src, ring, t)
+    score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
+    qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
+    visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for t in range(prog.n_tiles):
+        _issue_copy(src, ring, t + COPIES_AHEAD)
+        async_copy.wait_group(COPIES_AHEAD)  # this thread's copies of tile t landed
+        fence_async_shared()
+        _loader_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
+        slot = t % ring.STAGES
+        mbarrier.arrive(ring.full_bars.index(slot))
+        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
+                                  gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
+        s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+        s = gl.where(visible, s * score_scale[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+        buf = t % P_BUFFERS
+        mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
+        p_smem.index(buf).store(p)
+        alpha_smem.index(buf).store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_full.index(buf))
+    async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
+    l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
+    mbarrier.arrive(l_bar)
+    _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s)
+
+
+@gluon.jit
+def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
+             HALF: gl.constexpr):
+    """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
+    token slot released, then p times them; at the end those output columns."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 32])
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
+    for t in range(prog.n_tiles):
+        slot, _phase = _full_slot(ring, t, False)
+        _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
+        fence_async_shared()
+        _loader_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
+        mbarrier.arrive(ring.empty_bars.index(slot))
+        buf = t % P_BUFFERS
+        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
+        acc = acc * alpha_smem.index(buf).load(rows_o)[:, None]
+        acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_empty.index(buf))
+    mbarrier.wait(l_bar, 0)
+    l_i = l_smem.load(rows_o)
+    _epilogue(acc, l_i, l_i, prog, o_layout, rows_o, HALF * 256, 256, False)
+
+
+@gluon.jit
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
+    """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
+    (`PV_REGS` registers a thread) as workers."""
+    BLOCK_N: gl.constexpr = prog.BLOCK_N
+    STAGES: gl.constexpr = prog.STAGES
+    dtype: gl.constexpr = src.kv_ptr.dtype.element_ty
+    lat_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], dtype)  # 128-byte swizzle
+    narrow_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype)  # 64-byte swizzle
+    vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_lat = gl.allocate_shared_memory(dtype, [ROWS, 512], lat_layout)
+    q_rope = gl.allocate_shared_memory(dtype, [ROWS, 64], narrow_layout)
+    k_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 512], lat_layout)
+    k_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64], narrow_layout)
+    v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
+    v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, ROWS, BLOCK_N], narrow_layout)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, ROWS], vector_layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], vector_layout)
+    full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
+    l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # both p @ v warpgroups, after their read-back
+    for i in gl.static_range(P_BUFFERS):
+        mbarrier.init(p_full.index(i), count=1)
+        mbarrier.init(p_empty.index(i), count=2)
+    mbarrier.init(l_bar, count=1)
+    ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
+    gl.warp_specialize([
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
+        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
+        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
+        [4, 4], [PV_REGS, PV_REGS])
