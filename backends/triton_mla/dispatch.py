@@ -220,6 +220,8 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # Packed rows from which the FP8-query backend runs its wide form (64 rows a program, one scorer and two p @ v
 # warpgroups) instead of 32-row narrow blocks.
 FP8_QUERY_WIDE_MIN_ROWS = 33
+FP8Q_WIDE_FLAGS = 16
+FP8Q_WIDE_STAGES = 3
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
@@ -287,7 +289,7 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
-        STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
+        STAGES=FP8Q_WIDE_STAGES if wide else params.num_stages, KV_FP8=kv_fp8, FP8Q_WIDE_FLAGS=FP8Q_WIDE_FLAGS, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
