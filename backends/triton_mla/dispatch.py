@@ -220,7 +220,7 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # Packed rows from which the FP8-query backend runs its wide form (64 rows a program, one scorer and two p @ v
 # warpgroups) instead of 32-row narrow blocks.
 FP8_QUERY_WIDE_MIN_ROWS = 33
-FP8Q_WIDE_FLAGS = 16
+FP8Q_WIDE_FLAGS = 32
 FP8Q_WIDE_STAGES = 3
 
 

@@ -35,74 +35,77 @@ _ROPE_SAME_ROWS = gl.constexpr(gl.BlockedLayout([4, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _issue_copy(ring: Ring, t, row, ok, COL0: gl.constexpr, N_COLS: gl.constexpr, ROPE: gl.constexpr):
-    """`cp.async` of latent columns `COL0 .. COL0 + N_COLS - 1` (and with `ROPE` the rope) of tile `t`'s e4m3 rows
-    (`row`, `ok`: none past the program's range) into its token slot once the slot's previous tile is released, as
-    one commit group."""
+def _issue_copy(ring: Ring, t, row, ok):
+    """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok`: none past the program's range) into its token slot once the
+    slot's previous tile is released, as one commit group: the latent columns as one copy (copies into slices of
+    one buffer are ordered by a barrier each), the rope in the same rows a thread (no layout conversion)."""
     slot = t % ring.STAGES
     mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-    cols = gl.arange(0, N_COLS, layout=gl.SliceLayout(0, _COPY_LAYOUT))
-    _async_load(ring.k_lat.index(slot).slice(COL0, N_COLS, dim=1), row[:, None] + COL0 + cols[None, :],
-                mask=ok[:, None])
-    if ROPE:
-        rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _ROPE_SAME_ROWS))
-        rope_row = gl.convert_layout(row, gl.SliceLayout(1, _ROPE_SAME_ROWS))
-        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_SAME_ROWS))
-        _async_load(ring.k_rope.index(slot), rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _COPY_LAYOUT))
+    _async_load(ring.k_lat.index(slot), row[:, None] + cols[None, :], mask=ok[:, None])
+    rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _ROPE_SAME_ROWS))
+    rope_row = gl.convert_layout(row, gl.SliceLayout(1, _ROPE_SAME_ROWS))
+    rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_SAME_ROWS))
+    _async_load(ring.k_rope.index(slot), rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
     async_copy.commit_group()
 
 
 @gluon.jit
-def _copies_landed(ring: Ring, t, AHEAD: gl.constexpr):
-    """Once this partition's copies of tile `t` landed (`AHEAD` later tiles' may still be in flight) and every
-    thread's are seen, fenced for wgmma: its arrival on the slot's `full` barrier."""
-    async_copy.wait_group(AHEAD)
-    fence_async_shared()
-    _loader_barrier()
-    mbarrier.arrive(ring.full_bars.index(t % ring.STAGES))
-
-
-@gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, PV_COPIES: gl.constexpr):
-    """Warpgroup 0: the e4m3 query; per tile (unless `PV_COPIES`: the copy of the tile `STAGES - 1` on) the
-    scores, the online softmax and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums
-    for the p @ v warpgroups, and the LSE."""
+                 prog: Program, FLAGS: gl.constexpr):
+    """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
+    and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
+    and the LSE."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     AHEAD: gl.constexpr = ring.STAGES - 1  # tiles whose copies are in flight while one is scored
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     copy_row, copy_ok = _next_rows(src, 0)
-    if not PV_COPIES:
-        for t in gl.static_range(AHEAD):
-            _issue_copy(ring, t, copy_row, copy_ok, 0, 512, True)
-            copy_row, copy_ok = _next_rows(src, t + 1)
+    for t in gl.static_range(AHEAD):
+        _issue_copy(ring, t, copy_row, copy_ok)
+        copy_row, copy_ok = _next_rows(src, t + 1)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    # One query token sees the whole request, which the tile's range check already says: its mask is a column bias
+    COLUMN_BIAS: gl.constexpr = prog.Q_LEN == 1 and (FLAGS & 32) != 0
     for t in range(prog.n_tiles):
-        if not PV_COPIES:
-            _issue_copy(ring, t + AHEAD, copy_row, copy_ok, 0, 512, True)
-            copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
-            _copies_landed(ring, t, AHEAD)
-        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
-                                  gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
-        slot, _phase = _full_slot(ring, t, False)  # fenced by the copiers
+        _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
+        copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
+        async_copy.wait_group(AHEAD)  # this thread's copies of tile t landed
+        fence_async_shared()
+        _loader_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
+        slot = t % ring.STAGES
+        mbarrier.arrive(ring.full_bars.index(slot))
+        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
+                                  prog.SPARSE)
+        if COLUMN_BIAS:
+            bias = gl.where(ok, 0.0, float("-inf"))  # while the score MMAs run
         s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if PV_COPIES:
-            mbarrier.arrive(ring.empty_bars.index(slot))
-        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-        s = gl.where(visible, s * score_scale[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
+        if FLAGS & 32:
+            # the scale (> 0) is applied to the row max and inside exp2's FMA, not to every score first
+            if COLUMN_BIAS:
+                s = s + bias[None, :]
+            else:
+                s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * score_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s * score_scale[:, None] - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
+        else:
+            visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+            s = gl.where(visible, s * score_scale[:, None], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
         m_i = m_new
         l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
         buf = t % P_BUFFERS
@@ -118,41 +121,26 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
 
 
 @gluon.jit
-def _wide_pv(ring: Ring, src: KvSource, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-             HALF: gl.constexpr, PV_COPIES: gl.constexpr):
-    """A p @ v warpgroup: per tile (with `PV_COPIES`, once its own copy of them landed; and then its copy of the
-    tile `STAGES - 1` on) latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the token slot
-    released, then p times them; at the end those output columns."""
-    AHEAD: gl.constexpr = ring.STAGES - 1
+def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
+             HALF: gl.constexpr):
+    """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
+    token slot released, then p times them; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 32])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    copy_row, copy_ok = _next_rows(src, 0)
-    if PV_COPIES:
-        for t in gl.static_range(AHEAD):
-            _issue_copy(ring, t, copy_row, copy_ok, HALF * 256, 256, HALF == 0)
-            copy_row, copy_ok = _next_rows(src, t + 1)
     acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
     for t in range(prog.n_tiles):
-        slot = t % ring.STAGES
-        if PV_COPIES:
-            _copies_landed(ring, t, AHEAD - 1)
-        else:
-            _full_slot(ring, t, False)
+        slot, _phase = _full_slot(ring, t, False)
         _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
         fence_async_shared()
         _loader_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
         mbarrier.arrive(ring.empty_bars.index(slot))
-        if PV_COPIES:
-            _issue_copy(ring, t + AHEAD, copy_row, copy_ok, HALF * 256, 256, HALF == 0)
-            copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)
         buf = t % P_BUFFERS
         mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
         acc = acc * alpha_smem.index(buf).load(rows_o)[:, None]
         acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
-    async_copy.wait_group(0)
     mbarrier.wait(l_bar, 0)
     l_i = l_smem.load(rows_o)
     _epilogue(acc, l_i, l_i, prog, o_layout, rows_o, HALF * 256, 256, False)
@@ -162,7 +150,6 @@ def _wide_pv(ring: Ring, src: KvSource, v_t, p_smem, alpha_smem, p_full, p_empty
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, FLAGS: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
-    PV_COPIES: gl.constexpr = (FLAGS & 16) != 0
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     STAGES: gl.constexpr = prog.STAGES
     dtype: gl.constexpr = src.kv_ptr.dtype.element_ty
@@ -184,17 +171,16 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, FLAGS: g
     p_empty = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # full: the copiers (both p @ v warpgroups, or the scorer); empty: the slot's readers
-        mbarrier.init(full_bars.index(i), count=2 if PV_COPIES else 1)
-        mbarrier.init(empty_bars.index(i), count=3 if PV_COPIES else 2)
+        mbarrier.init(full_bars.index(i), count=1)
+        # each p @ v warpgroup after its read-back; the scorer, which copies into the slot next, has its scores
+        mbarrier.init(empty_bars.index(i), count=2)
     for i in gl.static_range(P_BUFFERS):
         mbarrier.init(p_full.index(i), count=1)
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        PV_COPIES)),
-        (_wide_pv, (ring, src, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, PV_COPIES)),
-        (_wide_pv, (ring, src, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, PV_COPIES))],
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, FLAGS)),
+        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
+        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
         [4, 4], [PV_REGS, PV_REGS])
