@@ -194,10 +194,10 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
         max_items: the longest KV length (dense) or the top-k (sparse) of the batch.
         cc_major: the GPU's compute-capability major (None: the CPU interpreter).
         ds_mla: the cache is vLLM's fp8_ds_mla (the FP8 kind's tiles).
-        fp8_query: the FP8-query backend's tile (`fp8_query_tile`), whatever the shape.
+        fp8_query: the FP8-query backend's tile (`fp8_query_tile`).
     """
     if fp8_query:
-        return fp8_query_tile(num_heads=num_heads, q_len=q_len)
+        return fp8_query_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items)
     kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
@@ -217,34 +217,42 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
     return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
 
 
-# Packed rows from which the FP8-query backend runs its wide form (64 rows a program, one scorer and two p @ v
-# warpgroups) instead of 32-row narrow blocks.
-FP8_QUERY_WIDE_MIN_ROWS = 33
-FP8Q_WIDE_FLAGS = 32
-FP8Q_WIDE_STAGES = 3
+# The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this much work,
+# packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
+# each KV tile, which launch two to four times the programs.
+FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 
 
-def fp8_query_tile(*, num_heads: int, q_len: int) -> Tile:
+def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
     """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form for up to 32 packed rows
-    (16 rows for up to 16), the wide form from FP8_QUERY_WIDE_MIN_ROWS (128 rows: two row blocks over each KV tile),
-    otherwise 32-row blocks."""
+    (16 rows for up to 16); above, the wide form where the shape has FP8_QUERY_WIDE_MIN_WORK (128 rows: two row
+    blocks over each KV tile), else 32-row narrow blocks."""
     rows = packed_rows(num_heads, q_len, sparse=False)
-    bucket = 16 if rows <= 16 else 64 if rows >= FP8_QUERY_WIDE_MIN_ROWS else 32
+    wide = rows > 32 and rows * batch * max_items >= FP8_QUERY_WIDE_MIN_WORK
+    bucket = 16 if rows <= 16 else 64 if wide else 32
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
+
+
+def other_fp8_query_form(tile: Tile) -> Tile:
+    """For more than 32 packed rows: the FP8-query tile of the form `tile` is not (wide, or 32-row narrow blocks)."""
+    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[32 if tile.block_h == 64 else 64]).replace(fp8_query=True)
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
                     kv_fp8: bool = False, cc_major: int | None = None, ds_mla: bool = False,
                     fp8_query: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
-    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows), then the default with its
-    minimum split scaled by REFINE_SPLIT_FACTORS (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
+    at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows; FP8-query: both of its forms
+    above 32 rows), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
+    `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query form has one tile, refined in its splits
+    if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) > 32:
+        family.append(other_fp8_query_form(default))
+    if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query forms are refined in their splits
         if default.warp_specialized:
             family.append(table_tile(_kind(kv_fp8 or ds_mla), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
         family += [HOPPER_TILES[b] for b in sorted({min(bucket, wide), wide})]
@@ -289,7 +297,7 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
-        STAGES=FP8Q_WIDE_STAGES if wide else params.num_stages, KV_FP8=kv_fp8, FP8Q_WIDE_FLAGS=FP8Q_WIDE_FLAGS, N_ROWS=params.block_h, LOAD_REGS=load_regs,
+        STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,

@@ -52,7 +52,7 @@ def _issue_copy(ring: Ring, t, row, ok):
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, FLAGS: gl.constexpr):
+                 prog: Program):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -72,8 +72,6 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    # One query token sees the whole request, which the tile's range check already says: its mask is a column bias
-    COLUMN_BIAS: gl.constexpr = prog.Q_LEN == 1 and (FLAGS & 32) != 0
     for t in range(prog.n_tiles):
         _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
         copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
@@ -84,28 +82,15 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         mbarrier.arrive(ring.full_bars.index(slot))
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
                                   prog.SPARSE)
-        if COLUMN_BIAS:
-            bias = gl.where(ok, 0.0, float("-inf"))  # while the score MMAs run
         s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if FLAGS & 32:
-            # the scale (> 0) is applied to the row max and inside exp2's FMA, not to every score first
-            if COLUMN_BIAS:
-                s = s + bias[None, :]
-            else:
-                s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1) * score_scale)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s * score_scale[:, None] - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
-        else:
-            visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-            s = gl.where(visible, s * score_scale[:, None], float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+        s = gl.where(visible, s * score_scale[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
         m_i = m_new
         l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
         buf = t % P_BUFFERS
@@ -147,7 +132,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, FLAGS: gl.constexpr):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -180,7 +165,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, FLAGS: g
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, FLAGS)),
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
         (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
         (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
         [4, 4], [PV_REGS, PV_REGS])

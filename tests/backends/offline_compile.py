@@ -85,7 +85,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     ds_mla = kv == "fp8_ds_mla"
     fp8 = kv == "fp8" or ds_mla
-    tile = (fp8_query_tile(num_heads=rows, q_len=1) if overrides.get("FP8_QUERY") else HOPPER_QK1_TILE if qk1
+    tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128, max_items=16384) if overrides.get("FP8_QUERY") else HOPPER_QK1_TILE if qk1
             else HOPPER_TILES[rows])
     params = LaunchParams(**tile.launch_fields())
     const = _constexpr_defaults(_mla_hopper_kernel)

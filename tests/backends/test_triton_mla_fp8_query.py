@@ -49,26 +49,40 @@ def test_the_wide_form_launches_12_warps_and_the_others_keep_their_registers():
     from mla_tune.backends.triton_mla.config import hopper_maxnreg
     from mla_tune.backends.triton_mla.dispatch import HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile
 
-    tiles = [fp8_query_tile(num_heads=h, q_len=1) for h in (16, 32, 64)] + [HOPPER_QK1_TILE, *HOPPER_TILES.values()]
+    tiles = [fp8_query_tile(num_heads=h, q_len=1, batch=128, max_items=16384) for h in (16, 32, 64)]
+    assert [t.block_h for t in tiles] == [16, 32, 64]
+    tiles += [HOPPER_QK1_TILE, *HOPPER_TILES.values()]
     assert {hopper_maxnreg(LaunchParams(**t.launch_fields())) for t in tiles} == {168}
 
 
-def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above():
-    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
+def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above_with_enough_work():
+    from mla_tune.backends.triton_mla.dispatch import FP8_QUERY_WIDE_MIN_WORK, fp8_query_tile
 
+    big = dict(batch=128, max_items=16384)
     for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (32, 1, 32), (33, 1, 64),
                                (20, 2, 64), (64, 1, 64), (128, 2, 64)):
-        tile = fp8_query_tile(num_heads=heads, q_len=q_len)
+        tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
-    # the dispatch and the tuner's refinement give it whatever the shape; the refinement varies its splits only
+    # rows x batch x the longest request: 64 heads from batch 128 at 1k tokens, 128 heads from batch 4 at 16k
+    work = FP8_QUERY_WIDE_MIN_WORK
+    for heads, batch, max_items, rows in ((64, 128, 1024, 64), (64, 64, 1024, 32), (64, 16, 4096, 32),
+                                          (128, 4, 16384, 64), (128, 16, 1024, 32), (128, 1, work // 128, 64),
+                                          (32, 128, 16384, 32)):
+        tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
+        assert tile.block_h == rows, (heads, batch, max_items, tile)
+    # the dispatch gives it whatever the shape; the tuner's refinement also times the other form above 32 rows,
+    # and otherwise varies its splits only
     from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
 
-    facts = dict(num_heads=64, q_len=1, batch=128, max_items=16384, kv_fp8=True, cc_major=9)
-    assert default_tile(**facts, fp8_query=True) == fp8_query_tile(num_heads=64, q_len=1)
-    tiles = candidate_tiles(**facts, fp8_query=True)
-    assert tiles[0] == fp8_query_tile(num_heads=64, q_len=1) and len(tiles) > 1
-    assert {t.replace(min_split_tokens=0) for t in tiles} == {tiles[0].replace(min_split_tokens=0)}
-    assert not any(t.fp8_query for t in candidate_tiles(**facts))
+    for heads, batch, other in ((64, 128, 32), (64, 1, 64), (32, 128, None)):
+        facts = dict(num_heads=heads, q_len=1, batch=batch, max_items=16384, kv_fp8=True, cc_major=9)
+        default = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=16384)
+        assert default_tile(**facts, fp8_query=True) == default
+        tiles = candidate_tiles(**facts, fp8_query=True)
+        assert tiles[0] == default and len(tiles) > 1 and all(t.fp8_query for t in tiles)
+        forms = {t.replace(min_split_tokens=0) for t in tiles}
+        assert {t.block_h for t in forms} == {default.block_h} | ({other} if other else set()), tiles
+        assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
@@ -189,9 +203,11 @@ def _rel(a, b) -> float:
 
 
 def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0,
-                    kv_ramp=False) -> dict:
+                    kv_ramp=False, wide=None) -> dict:
+    """MLA_TUNE_TRITON_FP8Q's kernel on one case against the references; `wide` (above 32 packed rows): force the
+    wide form (True) or 32-row narrow blocks (False), None: the dispatch's choice."""
     from mla_tune.backends.triton_mla import mla_decode
-    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile, other_fp8_query_form
     from mla_tune.backends.triton_mla.splits import params_from_tile
 
     problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len)
@@ -202,7 +218,10 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
     if kv_ramp:
         _ramp_keys(inputs, page_size)
     lengths = inputs.seq_lens.tolist()
-    params = params_from_tile(fp8_query_tile(num_heads=heads, q_len=q_len), num_heads=heads, q_len=q_len,
+    tile = fp8_query_tile(num_heads=heads, q_len=q_len, batch=shape.batch_size, max_items=max(max(lengths), 1))
+    if wide is not None and (tile.block_h == 64) != wide:
+        tile = other_fp8_query_form(tile)
+    params = params_from_tile(tile, num_heads=heads, q_len=q_len,
                               batch=shape.batch_size, max_items=max(max(lengths), 1), sparse=False, lengths=lengths,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     if splits is not None:
@@ -247,16 +266,19 @@ def _assert_close(r: dict) -> None:
 @pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_gpu_fp8_query_edge_lengths(q_len, heads, page_size):
-    # lengths 1, 15, 16, 17, 1000, 0 and two long ones that split, permuted pages, odd head counts
+    # lengths 1, 15, 16, 17, 1000, 0 and two long ones that split, permuted pages, odd head counts; above 32 packed
+    # rows both the wide form and 32-row narrow blocks
     lens = [max(n, q_len) if n else 0 for n in (1, 15, 16, 17, 1000, 0)] + [5000, 777]
-    _assert_close(_fp8_query_case(heads, q_len, page_size, Shape(len(lens), 5000), lens=lens))
+    for wide in ((False, True) if heads * q_len > 32 else (None,)):
+        _assert_close(_fp8_query_case(heads, q_len, page_size, Shape(len(lens), 5000), lens=lens, wide=wide))
 
 
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (32, 64, 16384), (128, 8, 4096), (64, 3, 3001)])
 def test_gpu_fp8_query_long(heads, batch, kv_len):
-    _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len)))
+    for wide in ((False, True) if heads > 32 else (None,)):
+        _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len), wide=wide))
 
 
 @pytest.mark.gpu
@@ -269,9 +291,11 @@ def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
     # the float32 reference on an H200, above the gate's limit), so the kernel is held to the reference on the query
     # rounded as it rounds it, and its lse to what p's rounding may move (log(1 + 2^-4))
     lens = [5000, 777, 3001, 64, 17]
-    r = _fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0, kv_ramp=True)
-    assert not r["nan"] and r["unseen_rows_ok"], r
-    assert r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 0.061, r
+    for wide in ((False, True) if heads * q_len > 32 else (None,)):
+        r = _fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0,
+                            kv_ramp=True, wide=wide)
+        assert not r["nan"] and r["unseen_rows_ok"], r
+        assert r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 0.061, r
 
 
 @pytest.mark.gpu
@@ -281,5 +305,6 @@ def test_gpu_fp8_query_one_split_of_many_tiles_and_a_large_query():
     # range); scores of ~1e5 make the softmax follow the query's rounding (28 % from the float32 reference), so the
     # kernel is held to the reference on the query rounded as it rounds it; its lse (~1e5) to 1 % of itself, as the
     # FP8 MMAs accumulate the scores with fewer bits than float32 (786 off at 1e5 on an H200)
-    r = _fp8_query_case(64, 1, 64, Shape(3, 3000), lens=[3000, 17, 2999], splits=1, q_mult=3e4)
-    assert not r["nan"] and r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 1e-2 * r["lse_magnitude"], r
+    for wide in (False, True):
+        r = _fp8_query_case(64, 1, 64, Shape(3, 3000), lens=[3000, 17, 2999], splits=1, q_mult=3e4, wide=wide)
+        assert not r["nan"] and r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 1e-2 * r["lse_magnitude"], r
