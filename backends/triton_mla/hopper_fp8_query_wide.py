@@ -51,31 +51,8 @@ def _issue_copy(ring: Ring, t, row, ok):
 
 
 @gluon.jit
-def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, p_smem, alpha_smem, p_full, p_empty, prog: Program,
-                  s_layout: gl.constexpr):
-    """Tile `t`'s online softmax on its raw scores `s` (rows on M), p (`2^8 p` in e4m3) and the rescale factors into
-    buffer `t % P_BUFFERS` for the p @ v warpgroups; returns the running max and sums."""
-    pos, ok = _tile_positions(prog.start + t * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
-                              gl.SliceLayout(0, s_layout), prog.BLOCK_N, prog.SPARSE)
-    visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-    s = gl.where(visible, s * score_scale[:, None], float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
-    l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-    buf = t % P_BUFFERS
-    mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
-    p_smem.index(buf).store(p)
-    alpha_smem.index(buf).store(alpha)
-    fence_async_shared()
-    mbarrier.arrive(p_full.index(buf))
-    return m_new, l_i
-
-
-@gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, SCORES_AHEAD: gl.constexpr):
+                 prog: Program):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -84,6 +61,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     copy_row, copy_ok = _next_rows(src, 0)
     for t in gl.static_range(AHEAD):
         _issue_copy(ring, t, copy_row, copy_ok)
@@ -94,7 +72,6 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    s_prev = zero_s
     for t in range(prog.n_tiles):
         _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
         copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
@@ -103,22 +80,25 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         _loader_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
         slot = t % ring.STAGES
         mbarrier.arrive(ring.full_bars.index(slot))
-        s_new = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-        s_new = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s_new, is_async=True)
-        if SCORES_AHEAD:  # the previous tile's softmax while this tile's score MMAs run
-            if t > 0:
-                m_i, l_i = _softmax_to_p(s_prev, t - 1, m_i, l_i, score_scale, visible_len, p_smem, alpha_smem,
-                                         p_full, p_empty, prog, s_layout)
-            s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
-        else:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
-            m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, p_smem, alpha_smem, p_full, p_empty,
-                                     prog, s_layout)
-    if SCORES_AHEAD:
-        if prog.n_tiles > 0:
-            m_i, l_i = _softmax_to_p(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, p_smem,
-                                     alpha_smem, p_full, p_empty, prog, s_layout)
+        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
+                                  prog.SPARSE)
+        s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+        s = gl.where(visible, s * score_scale[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
+        m_i = m_new
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+        buf = t % P_BUFFERS
+        mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
+        p_smem.index(buf).store(p)
+        alpha_smem.index(buf).store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_full.index(buf))
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
     l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
     mbarrier.arrive(l_bar)
@@ -126,38 +106,24 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
 
 
 @gluon.jit
-def _transpose_half(ring: Ring, v_t, t, HALF: gl.constexpr):
-    """Once tile `t`'s slot is full, its latent columns `256 HALF .. 256 HALF + 255` transposed into `v_t`, and the
-    slot released by this warpgroup."""
-    slot, _phase = _full_slot(ring, t, False)
-    _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
-    fence_async_shared()
-    _loader_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
-    mbarrier.arrive(ring.empty_bars.index(slot))
-
-
-@gluon.jit
 def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-             HALF: gl.constexpr, V_AHEAD: gl.constexpr):
+             HALF: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
     token slot released, then p times them; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 32])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
-    if V_AHEAD:  # two v^T buffers: the next tile transposed (its slot released) before this tile's p arrives
-        if prog.n_tiles > 0:
-            _transpose_half(ring, v_t.index(0), 0, HALF)
     for t in range(prog.n_tiles):
-        if V_AHEAD:
-            if t + 1 < prog.n_tiles:
-                _transpose_half(ring, v_t.index((t + 1) % 2), t + 1, HALF)
-        else:
-            _transpose_half(ring, v_t.index(0), t, HALF)
+        slot, _phase = _full_slot(ring, t, False)
+        _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
+        fence_async_shared()
+        _loader_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
+        mbarrier.arrive(ring.empty_bars.index(slot))
         buf = t % P_BUFFERS
         mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
         acc = acc * alpha_smem.index(buf).load(rows_o)[:, None]
-        acc = warpgroup_mma(p_smem.index(buf), v_t.index(t % v_t.shape[0]).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
     mbarrier.wait(l_bar, 0)
@@ -166,8 +132,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                   V_AHEAD: gl.constexpr):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -180,9 +145,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, SCORES_A
     q_rope = gl.allocate_shared_memory(dtype, [ROWS, 64], narrow_layout)
     k_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 512], lat_layout)
     k_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64], narrow_layout)
-    V_BUFS: gl.constexpr = 2 if V_AHEAD else 1
-    v_lo = gl.allocate_shared_memory(dtype, [V_BUFS, 256, BLOCK_N], narrow_layout)
-    v_hi = gl.allocate_shared_memory(dtype, [V_BUFS, 256, BLOCK_N], narrow_layout)
+    v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
+    v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
     p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, ROWS, BLOCK_N], narrow_layout)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, ROWS], vector_layout)
     l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], vector_layout)
@@ -201,8 +165,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, SCORES_A
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        SCORES_AHEAD)),
-        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, V_AHEAD)),
-        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, V_AHEAD))],
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
+        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
+        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
         [4, 4], [PV_REGS, PV_REGS])
