@@ -221,7 +221,6 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
 # each KV tile, which launch two to four times the programs.
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
-FP8Q_Q_REGS = True
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -298,7 +297,7 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
-        STAGES=params.num_stages, FP8Q_Q_REGS=FP8Q_Q_REGS, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
+        STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,

@@ -52,7 +52,7 @@ def _issue_copy(ring: Ring, t, row, ok):
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, Q_REGS: gl.constexpr):
+                 prog: Program):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -67,11 +67,6 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         _issue_copy(ring, t, copy_row, copy_ok)
         copy_row, copy_ok = _next_rows(src, t + 1)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
-    if Q_REGS:  # the query as the score wgmma's A operand from registers (72 a thread), read once
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
-        _loader_barrier()
-        q_lat_regs = q_lat.load(a_layout)
-        q_rope_regs = q_rope.load(a_layout)
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
@@ -87,13 +82,8 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         mbarrier.arrive(ring.full_bars.index(slot))
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
                                   prog.SPARSE)
-        if Q_REGS:
-            s = warpgroup_mma(q_rope_regs, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-            s = warpgroup_mma(q_lat_regs, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
-        else:
-            s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
         s = gl.where(visible, s * score_scale[:, None], float("-inf"))
@@ -142,7 +132,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, Q_REGS: gl.constexpr):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -175,7 +165,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, Q_REGS: 
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, Q_REGS)),
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
         (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
         (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
         [4, 4], [PV_REGS, PV_REGS])
