@@ -215,7 +215,7 @@ def check_ptx(mods: dict, old_pkg) -> list[str]:
     bad, n = [], 0
     for label, params, q_len, kw in _hopper_cases(dispatch, config):
         base = dict(Q_LEN=q_len, PAGE_SIZE=64, BLOCK_N=params.block_n, SPARSE=kw["sparse"], KV_SCALE_IS_PTR=False)
-        options = {"num_warps": params.num_warps, "maxnreg": config.hopper_maxnreg(params)}
+        options = {"num_warps": params.num_warps, "maxnreg": config.HOPPER_MAXNREG}
         old_const = {**base, **old_launch.hopper_form(params, **kw)}
         new_const = {**base, **dispatch.hopper_constexprs(params, **kw)}
         same = dict(fp8=kw["kv_fp8"], gluon=True, options=options, o_fp32=kw["splits"] > 1)

@@ -77,21 +77,15 @@ HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2
 HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
 FP8_QUERY_SHAPES = tuple(s.key() for s in HOPPER_FP8_QUERY_SHAPES.values())
 WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE)) + FP8_QUERY_SHAPES
-_WARPS_RUN = {s.key(): s.warps_run for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE,
-                                             *HOPPER_FP8_QUERY_SHAPES.values())}
+# 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers (every form runs 12); `setmaxnreg` then
+# rebalances them between its partitions.
+HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 112}
 # The wide FP8-query form's p @ v warpgroups (a 64 x 256 fp32 accumulator each); its scorer gets the rest.
 FP8_QUERY_WIDE_PV_REGS = 168
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only
-
-
-def hopper_maxnreg(params) -> int:
-    """The `maxnreg` a Hopper launch of `params` takes: the SM's 64 Ki registers over every warp it runs, a multiple
-    of 8 (setmaxnreg's unit): 168 for 12 warps, 128 for 16; `setmaxnreg` then rebalances them between partitions."""
-    warps = _WARPS_RUN[(params.block_h, params.block_n, params.num_warps, params.num_stages)]
-    return 65536 // (warps * 32) // 8 * 8
 # The 64-row tl tiles need 180-216 KB of shared memory: only Hopper and Blackwell datacenter parts have it.
 BIG_TILE_CC_MAJORS = (9, 10)
 

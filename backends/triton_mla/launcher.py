@@ -6,7 +6,7 @@ import torch
 import triton
 
 from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
-from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, DS_MLA_BYTES, LaunchParams, hopper_maxnreg, is_ds_mla
+from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, is_ds_mla
 from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
 from mla_tune.backends.triton_mla.splits import m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
@@ -157,4 +157,4 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
-                                           maxnreg=hopper_maxnreg(params))
+                                           maxnreg=HOPPER_MAXNREG)

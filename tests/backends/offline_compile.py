@@ -78,7 +78,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_tune.backends.triton_mla.config import LaunchParams, hopper_maxnreg
+    from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
     from mla_tune.backends.triton_mla.dispatch import (
         HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs)
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
@@ -98,7 +98,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": params.num_warps, "maxnreg": hopper_maxnreg(params)})
+                              options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
     ptx = compiled.asm["ptx"]
     ptxas = get_ptxas(90).path  # the one Triton itself uses for sm_90 (3.9: a newer one than bin/ptxas)
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,15 +44,13 @@ def test_fp8_query_runs_on_the_fp8_query_forms_only():
             LaunchParams(block_h=rows, block_n=64, num_warps=4, num_stages=3, warp_specialized=True)
 
 
-def test_the_wide_form_launches_12_warps_and_the_others_keep_their_registers():
-    from mla_tune.backends.triton_mla import LaunchParams
-    from mla_tune.backends.triton_mla.config import hopper_maxnreg
-    from mla_tune.backends.triton_mla.dispatch import HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile
+def test_every_hopper_form_runs_12_warps_as_its_maxnreg_assumes():
+    from mla_tune.backends.triton_mla.config import (
+        HOPPER_FP8_QUERY_SHAPES, HOPPER_MAXNREG, HOPPER_QK1_SHAPE, HOPPER_SHAPES)
 
-    tiles = [fp8_query_tile(num_heads=h, q_len=1, batch=128, max_items=16384) for h in (16, 32, 64)]
-    assert [t.block_h for t in tiles] == [16, 32, 64]
-    tiles += [HOPPER_QK1_TILE, *HOPPER_TILES.values()]
-    assert {hopper_maxnreg(LaunchParams(**t.launch_fields())) for t in tiles} == {168}
+    shapes = [*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE, *HOPPER_FP8_QUERY_SHAPES.values()]
+    assert {s.warps_run for s in shapes} == {12} and HOPPER_MAXNREG * 12 * 32 <= 65536
+    assert sorted(HOPPER_FP8_QUERY_SHAPES) == [16, 32, 64]
 
 
 def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above_with_enough_work():
