@@ -25,21 +25,6 @@ from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
 from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 
 
-@gluon.jit
-def _fp8q_copy(ring: Ring, t, row, ok, layout: gl.constexpr, rope_layout: gl.constexpr):
-    """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok` in `layout`'s rows) into its slot, as one commit group."""
-    slot = t % ring.STAGES
-    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-    rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
-    k_lat = ring.k_lat.index(slot)
-    for c in gl.static_range(4):
-        _async_load(k_lat.slice(c * 128, 128, dim=1), row[:, None] + c * 128 + cols[None, :], mask=ok[:, None])
-    rope_row = gl.convert_layout(row, gl.SliceLayout(1, rope_layout))
-    rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
-    _async_load(ring.k_rope.index(slot), rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
-    async_copy.commit_group()
-
-
 # Triton 3.9 renamed gl.thread_barrier to gl.barrier
 _GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
 
@@ -66,6 +51,28 @@ _TRANSPOSE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
 # bytes), conflict-free in the slot's 128-byte swizzle; the rope's 64 bytes of a token to four lanes
 _COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([4, 16], [4, 8], [LOAD_WARPS.value, 1], [1, 0]))
 _ROPE_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS.value, 1], [1, 0]))
+# The rope with the same rows a thread as `_COPY_LAYOUT` (8-byte copies), so the rows need no layout conversion
+_ROPE_SAME_ROWS = gl.constexpr(gl.BlockedLayout([4, 8], [4, 8], [LOAD_WARPS.value, 1], [1, 0]))
+
+
+@gluon.jit
+def _fp8q_copy(ring: Ring, t, row, ok, ONE_COPY: gl.constexpr):
+    """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok` in `_COPY_LAYOUT`'s rows) into its slot, as one commit group.
+    `ONE_COPY` (the wide form's choice, measured there): the latent columns as one copy (Triton orders copies into
+    slices of one buffer by a barrier each) and the rope in the same rows a thread (no layout conversion); otherwise
+    (the narrow form's, measured there) four 128-column copies and the rope four lanes a token."""
+    slot = t % ring.STAGES
+    COLS: gl.constexpr = 512 if ONE_COPY else 128
+    rope_layout: gl.constexpr = _ROPE_SAME_ROWS if ONE_COPY else _ROPE_COPY_LAYOUT
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, _COPY_LAYOUT))
+    rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
+    k_lat = ring.k_lat.index(slot)
+    for c in gl.static_range(512 // COLS):
+        _async_load(k_lat.slice(c * COLS, COLS, dim=1), row[:, None] + c * COLS + cols[None, :], mask=ok[:, None])
+    rope_row = gl.convert_layout(row, gl.SliceLayout(1, rope_layout))
+    rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
+    _async_load(ring.k_rope.index(slot), rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -93,7 +100,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        _fp8q_copy(ring, t, row, ok, _COPY_LAYOUT, _ROPE_COPY_LAYOUT)
+        _fp8q_copy(ring, t, row, ok, False)
         row, ok = _next_rows(src, t + STRIDE)
         async_copy.wait_group(0)
         _loader_barrier()  # the read-back takes bytes other threads of this loader copied

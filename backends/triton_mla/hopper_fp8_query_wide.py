@@ -25,29 +25,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_tune.backends.triton_mla.hopper_common import (
     ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import _COPY_LAYOUT, _loader_barrier, _next_rows, _store_v_t
-from mla_tune.backends.triton_mla.hopper_loaders import _async_load
+from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _loader_barrier, _next_rows, _store_v_t
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
-# The rope copy with the same rows a thread as `_COPY_LAYOUT` (8-byte copies), so the rows need no layout conversion
-_ROPE_SAME_ROWS = gl.constexpr(gl.BlockedLayout([4, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
 def _issue_copy(ring: Ring, t, row, ok):
-    """`cp.async` of tile `t`'s e4m3 rows (`row`, `ok`: none past the program's range) into its token slot once the
-    slot's previous tile is released, as one commit group: the latent columns as one copy (copies into slices of
-    one buffer are ordered by a barrier each), the rope in the same rows a thread (no layout conversion)."""
-    slot = t % ring.STAGES
-    mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _COPY_LAYOUT))
-    _async_load(ring.k_lat.index(slot), row[:, None] + cols[None, :], mask=ok[:, None])
-    rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _ROPE_SAME_ROWS))
-    rope_row = gl.convert_layout(row, gl.SliceLayout(1, _ROPE_SAME_ROWS))
-    rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, _ROPE_SAME_ROWS))
-    _async_load(ring.k_rope.index(slot), rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
-    async_copy.commit_group()
+    """`_fp8q_copy` of tile `t` (`row`, `ok`: none past the program's range) once its slot's previous tile is
+    released."""
+    mbarrier.wait(ring.empty_bars.index(t % ring.STAGES), ((t // ring.STAGES) & 1) ^ 1)
+    _fp8q_copy(ring, t, row, ok, True)
 
 
 @gluon.jit
