@@ -30,7 +30,7 @@ _GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
 
 
 @gluon.jit
-def _loader_barrier():
+def _partition_barrier():
     """The partition's threads meet, under either name Triton gives the barrier."""
     if _GL_BARRIER:
         gl.barrier()
@@ -103,7 +103,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, ST
         _fp8q_copy(ring, t, row, ok, False)
         row, ok = _next_rows(src, t + STRIDE)
         async_copy.wait_group(0)
-        _loader_barrier()  # the read-back takes bytes other threads of this loader copied
+        _partition_barrier()  # the read-back takes bytes other threads of this loader copied
         _store_v_t(ring.k_lat.index(slot), v_t.index(slot))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))

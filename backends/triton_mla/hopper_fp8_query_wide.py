@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_tune.backends.triton_mla.hopper_common import (
     ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _loader_barrier, _next_rows, _store_v_t
+from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _partition_barrier, _next_rows, _store_v_t
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
@@ -66,7 +66,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
         async_copy.wait_group(AHEAD)  # this thread's copies of tile t landed
         fence_async_shared()
-        _loader_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
+        _partition_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
         slot = t % ring.STAGES
         mbarrier.arrive(ring.full_bars.index(slot))
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
@@ -107,7 +107,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
         slot, _phase = _full_slot(ring, t, False)
         _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
         fence_async_shared()
-        _loader_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
+        _partition_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
         mbarrier.arrive(ring.empty_bars.index(slot))
         buf = t % P_BUFFERS
         mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
