@@ -212,13 +212,17 @@ def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
     (fenced for wgmma); returns `max |q_row| / 448` per row in `rows_layout` (1 for a row of zeros or past the
     heads), the factor its scores take back."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    lat = _load_query(prog, 0, layout, 512, True).to(gl.float32)
+    # 128 columns at a time, read twice (the second read from L1), so that a thread holds 64 values, not 288
     rope = _load_query(prog, 512, layout, 64, True).to(gl.float32)
-    amax = gl.maximum(gl.max(gl.abs(lat), 1), gl.max(gl.abs(rope), 1))
+    amax = gl.max(gl.abs(rope), 1)
+    for c in gl.static_range(4):
+        amax = gl.maximum(amax, gl.max(gl.abs(_load_query(prog, c * 128, layout, 128, True).to(gl.float32)), 1))
     amax = gl.where(amax > 0.0, amax, E4M3_MAX)
     scale = E4M3_MAX / amax
-    q_lat.store((lat * scale[:, None]).to(q_lat.dtype))
     q_rope.store((rope * scale[:, None]).to(q_rope.dtype))
+    for c in gl.static_range(4):
+        lat = _load_query(prog, c * 128, layout, 128, True).to(gl.float32)
+        q_lat.slice(c * 128, 128, dim=1).store((lat * scale[:, None]).to(q_lat.dtype))
     fence_async_shared()
     return gl.convert_layout(amax / E4M3_MAX, rows_layout)
 

@@ -138,10 +138,19 @@ def _v_rows(x):
     return x.reshape([V_TOKENS, 4, 8, 2, 4]).permute((4, 1, 3, 2, 0)).reshape([256, V_TOKENS])
 
 
+# `_wide_pv_regs`' accumulator as `[rows, 256]` in column order, a thread's 8 adjacent columns in adjacent
+# registers (so its output stores are 32 bytes, not 4): the MMA layout's registers reordered.
+_OUT_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
+    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
+
+
 @gluon.jit
 def _out_cols(acc_t):
-    """`o^T`'s `[256, rows]` with column c on row m back to `[rows, 256]` in column order."""
-    return acc_t.reshape([4, 4, 2, 8, ROWS]).permute((4, 1, 3, 2, 0)).reshape([ROWS, 256])
+    """`o^T`'s `[256, rows]` with column c on row m back to `[rows, 256]` in column order (`_OUT_LAYOUT`)."""
+    return gl.convert_layout(acc_t.reshape([4, 4, 2, 8, ROWS]).permute((4, 1, 3, 2, 0)).reshape([ROWS, 256]),
+                             _OUT_LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
@@ -174,11 +183,9 @@ def _wide_pv_regs(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
     mbarrier.wait(l_bar, 0)
-    out = _out_cols(acc)
-    out_layout: gl.constexpr = out.type.layout
-    rows_out: gl.constexpr = gl.SliceLayout(1, out_layout)
+    rows_out: gl.constexpr = gl.SliceLayout(1, _OUT_LAYOUT)
     l_i = l_smem.load(rows_out)
-    _epilogue(out, l_i, l_i, prog, out_layout, rows_out, HALF * 256, 256, False)
+    _epilogue(_out_cols(acc), l_i, l_i, prog, _OUT_LAYOUT, rows_out, HALF * 256, 256, False)
 
 
 @gluon.jit
