@@ -155,7 +155,7 @@ def _out_cols(acc_t):
 
 @gluon.jit
 def _wide_pv_regs(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-                  HALF: gl.constexpr):
+                  HALF: gl.constexpr, OUT_VIA_SMEM: gl.constexpr):
     """`_wide_pv` with v^T in registers: per tile its 256 latent columns read (`_V_READ_LAYOUT`), the token slot
     released, then `o^T += v^T p^T` with v^T as the register A operand and p^T read from p's buffer."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -183,13 +183,21 @@ def _wide_pv_regs(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
     mbarrier.wait(l_bar, 0)
-    rows_out: gl.constexpr = gl.SliceLayout(1, _OUT_LAYOUT)
-    l_i = l_smem.load(rows_out)
-    _epilogue(_out_cols(acc), l_i, l_i, prog, _OUT_LAYOUT, rows_out, HALF * 256, 256, False)
+    if OUT_VIA_SMEM:
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 256, 32])
+        rows_st: gl.constexpr = gl.SliceLayout(1, st_layout)
+        l_st = l_smem.load(rows_st)
+        _epilogue(gl.convert_layout(_out_cols(acc), st_layout), l_st, l_st, prog, st_layout, rows_st, HALF * 256, 256,
+                  False)
+    else:
+        rows_out: gl.constexpr = gl.SliceLayout(1, _OUT_LAYOUT)
+        l_i = l_smem.load(rows_out)
+        _epilogue(_out_cols(acc), l_i, l_i, prog, _OUT_LAYOUT, rows_out, HALF * 256, 256, False)
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REGS: gl.constexpr = False):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REGS: gl.constexpr = 0):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -219,11 +227,11 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REG
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
-    if V_IN_REGS:
+    if V_IN_REGS > 0:
         gl.warp_specialize([
             (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
-            (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
-            (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
+            (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, V_IN_REGS == 2)),
+            (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, V_IN_REGS == 2))],
             [4, 4], [PV_REGS, PV_REGS])
     else:
         v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
