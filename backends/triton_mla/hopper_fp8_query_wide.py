@@ -41,7 +41,7 @@ def _issue_copy(ring: Ring, t, row, ok):
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program):
+                 prog: Program, INTERIOR_UNMASKED: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -58,6 +58,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
+    interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here are seen whole by every row
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -69,13 +70,14 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         _partition_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
         slot = t % ring.STAGES
         mbarrier.arrive(ring.full_bars.index(slot))
-        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
-                                  prog.SPARSE)
         s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-        s = gl.where(visible, s * score_scale[:, None], float("-inf"))
+        s = s * score_scale[:, None]
+        if not INTERIOR_UNMASKED or prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
+            pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
+                                      prog.SPARSE)
+            s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_safe)
@@ -197,7 +199,8 @@ def _wide_pv_regs(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REGS: gl.constexpr = 0):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REGS: gl.constexpr = 0,
+                   INTERIOR_UNMASKED: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -229,7 +232,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REG
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     if V_IN_REGS > 0:
         gl.warp_specialize([
-            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
+            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                            INTERIOR_UNMASKED)),
             (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, V_IN_REGS == 2)),
             (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, V_IN_REGS == 2))],
             [4, 4], [PV_REGS, PV_REGS])
@@ -237,7 +241,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REG
         v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
         v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
         gl.warp_specialize([
-            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
+            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                            INTERIOR_UNMASKED)),
             (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
             (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
             [4, 4], [PV_REGS, PV_REGS])
