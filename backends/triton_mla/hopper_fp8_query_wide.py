@@ -41,7 +41,7 @@ def _issue_copy(ring: Ring, t, row, ok):
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, INTERIOR_UNMASKED: gl.constexpr):
+                 prog: Program):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -58,7 +58,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
-    interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here are seen whole by every row
+    interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here every row sees whole
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -74,7 +74,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * score_scale[:, None]
-        if not INTERIOR_UNMASKED or prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
+        if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
             pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
                                       prog.SPARSE)
             s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
@@ -122,85 +122,8 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
     _epilogue(acc, l_i, l_i, prog, o_layout, rows_o, HALF * 256, 256, False)
 
 
-# A p @ v warpgroup's 256 columns of 32 tokens of a slot, read as the register A operand of `o^T = v^T p^T`: 8
-# adjacent columns of one token a thread an 8-byte read (two wavefronts a warp in the 128-byte swizzle: its four
-# token rows differ by 4 and 8), transposed to 4 tokens a register within the thread. The columns sit on the MMA's
-# rows permuted: row m = 64 b + 16 w + 8 h + g holds column c = 64 w + 8 g + 4 h + b.
-_V_READ_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0]],
-    lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
-    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256]))
-V_TOKENS = gl.constexpr(32)  # tokens a read and an MMA: half a tile, so that a thread holds 16 registers of v^T
-
-
 @gluon.jit
-def _v_rows(x):
-    """`[tokens, 256]` in `_V_READ_LAYOUT` as `[256, tokens]` with column c on row m (`_V_READ_LAYOUT`'s
-    permutation): a relabelling of the registers."""
-    return x.reshape([V_TOKENS, 4, 8, 2, 4]).permute((4, 1, 3, 2, 0)).reshape([256, V_TOKENS])
-
-
-# `_wide_pv_regs`' accumulator as `[rows, 256]` in column order, a thread's 8 adjacent columns in adjacent
-# registers (so its output stores are 32 bytes, not 4): the MMA layout's registers reordered.
-_OUT_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
-    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
-
-
-@gluon.jit
-def _out_cols(acc_t):
-    """`o^T`'s `[256, rows]` with column c on row m back to `[rows, 256]` in column order (`_OUT_LAYOUT`)."""
-    return gl.convert_layout(acc_t.reshape([4, 4, 2, 8, ROWS]).permute((4, 1, 3, 2, 0)).reshape([ROWS, 256]),
-                             _OUT_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
-def _wide_pv_regs(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-                  HALF: gl.constexpr, OUT_VIA_SMEM: gl.constexpr):
-    """`_wide_pv` with v^T in registers: per tile its 256 latent columns read (`_V_READ_LAYOUT`), the token slot
-    released, then `o^T += v^T p^T` with v^T as the register A operand and p^T read from p's buffer."""
-    BLOCK_N: gl.constexpr = prog.BLOCK_N
-    gl.static_assert(BLOCK_N == 2 * V_TOKENS, "_wide_pv_regs reads a tile as two halves")
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 32])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    heads_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    acc = gl.zeros([256, ROWS], gl.float32, o_layout)
-    for t in range(prog.n_tiles):
-        slot, _phase = _full_slot(ring, t, False)
-        cols = ring.k_lat.index(slot).slice(HALF * 256, 256, dim=1)
-        x0 = cols.slice(0, V_TOKENS, dim=0).load(_V_READ_LAYOUT)
-        x1 = cols.slice(V_TOKENS, V_TOKENS, dim=0).load(_V_READ_LAYOUT)
-        _partition_barrier()  # every thread's reads are in registers before the slot is released
-        mbarrier.arrive(ring.empty_bars.index(slot))
-        buf = t % P_BUFFERS
-        p_t = p_smem.index(buf).permute((1, 0))
-        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
-        acc = acc * alpha_smem.index(buf).load(heads_o)[None, :]
-        acc = warpgroup_mma(gl.convert_layout(_v_rows(x0), a_layout), p_t.slice(0, V_TOKENS, dim=0), acc,
-                            is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(_v_rows(x1), a_layout), p_t.slice(V_TOKENS, V_TOKENS, dim=0), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p_empty.index(buf))
-    mbarrier.wait(l_bar, 0)
-    if OUT_VIA_SMEM:
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 256, 32])
-        rows_st: gl.constexpr = gl.SliceLayout(1, st_layout)
-        l_st = l_smem.load(rows_st)
-        _epilogue(gl.convert_layout(_out_cols(acc), st_layout), l_st, l_st, prog, st_layout, rows_st, HALF * 256, 256,
-                  False)
-    else:
-        rows_out: gl.constexpr = gl.SliceLayout(1, _OUT_LAYOUT)
-        l_i = l_smem.load(rows_out)
-        _epilogue(_out_cols(acc), l_i, l_i, prog, _OUT_LAYOUT, rows_out, HALF * 256, 256, False)
-
-
-@gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REGS: gl.constexpr = 0,
-                   INTERIOR_UNMASKED: gl.constexpr = False):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -213,6 +136,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REG
     q_rope = gl.allocate_shared_memory(dtype, [ROWS, 64], narrow_layout)
     k_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 512], lat_layout)
     k_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64], narrow_layout)
+    v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
+    v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
     p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, ROWS, BLOCK_N], narrow_layout)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, ROWS], vector_layout)
     l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], vector_layout)
@@ -230,19 +155,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, V_IN_REG
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
-    if V_IN_REGS > 0:
-        gl.warp_specialize([
-            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                            INTERIOR_UNMASKED)),
-            (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, V_IN_REGS == 2)),
-            (_wide_pv_regs, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, V_IN_REGS == 2))],
-            [4, 4], [PV_REGS, PV_REGS])
-    else:
-        v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
-        v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
-        gl.warp_specialize([
-            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                            INTERIOR_UNMASKED)),
-            (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
-            (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
-            [4, 4], [PV_REGS, PV_REGS])
+    gl.warp_specialize([
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
+        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
+        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
+        [4, 4], [PV_REGS, PV_REGS])
