@@ -221,7 +221,6 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
 # each KV tile, which launch two to four times the programs.
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
-NARROW_INTERIOR_UNMASKED = True
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -304,5 +303,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        INTERIOR_UNMASKED=NARROW_INTERIOR_UNMASKED and form[0] == "narrow")
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

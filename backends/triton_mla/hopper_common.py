@@ -74,13 +74,12 @@ class Program:
     QUERY_IN_CONSUMER: gl.constexpr
     FENCE_SLOTS: gl.constexpr
     EVICT_LAST: gl.constexpr
-    INTERIOR_UNMASKED: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                  qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
                  stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN, SPARSE, N_ROWS, BLOCK_N, STAGES,
-                 KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, EVICT_LAST, INTERIOR_UNMASKED=False):
+                 KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, EVICT_LAST):
         values = locals()
         for name in _PROGRAM_VALUES:
             setattr(self, name, _value(values[name]))
@@ -93,7 +92,6 @@ class Program:
         self.QUERY_IN_CONSUMER = gl.constexpr(QUERY_IN_CONSUMER)
         self.FENCE_SLOTS = gl.constexpr(FENCE_SLOTS)
         self.EVICT_LAST = gl.constexpr(EVICT_LAST)
-        self.INTERIOR_UNMASKED = gl.constexpr(INTERIOR_UNMASKED)
 
 
 @aggregate

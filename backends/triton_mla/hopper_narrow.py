@@ -41,15 +41,6 @@ def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _masked(s, t, visible_len, prog: Program, toks_s: gl.constexpr):
-    """`s^T` of tile `t` with -inf where a row does not see a token (past the range or the row's causal end, or a
-    top-k slot of -1)."""
-    pos, ok = _tile_positions(prog.start + t * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row, toks_s,
-                              prog.BLOCK_N, prog.SPARSE)
-    return gl.where(ok[:, None] & (pos[:, None] < visible_len[None, :]), s, float("-inf"))
-
-
-@gluon.jit
 def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M.
 
@@ -74,22 +65,19 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
     m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
     l_acc = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
     zero_s = gl.zeros([BLOCK_N, N_ROWS], gl.float32, s_layout)
-    interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here every row sees whole
     for t in range(prog.n_tiles):
+        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, toks_s, BLOCK_N,
+                                  prog.SPARSE)
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
         kl = ring.k_lat.index(slot)
         s = warpgroup_mma(ring.k_rope.index(slot), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kl, q_lat.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        visible = ok[:, None] & (pos[:, None] < visible_len[None, :])
         if FP8_QUERY:
-            s = s * score_scale[None, :]
+            s = gl.where(visible, s * score_scale[None, :], float("-inf"))
         else:
-            s = s * prog.qk_scale
-        if prog.INTERIOR_UNMASKED and not prog.SPARSE:
-            if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
-                s = _masked(s, t, visible_len, prog, toks_s)
-        else:
-            s = _masked(s, t, visible_len, prog, toks_s)
+            s = gl.where(visible, s * prog.qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = gl.exp2(m_i - m_safe)
