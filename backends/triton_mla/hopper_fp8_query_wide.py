@@ -21,7 +21,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
     ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
@@ -32,16 +32,60 @@ P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stay
 
 
 @gluon.jit
-def _issue_copy(ring: Ring, t, row, ok):
-    """`_fp8q_copy` of tile `t` (`row`, `ok`: none past the program's range) once its slot's previous tile is
-    released."""
+def _issue_copy(ring: Ring, src: KvSource, t, row, ok, lat_desc, rope_desc, TMA: gl.constexpr):
+    """Once the slot of tile `t` is released: with `TMA`, a tile inside the program's range as TMA boxes that
+    complete the slot's full barrier themselves (`_tma_tile`; an empty commit group keeps `wait_group`'s count);
+    otherwise `_fp8q_copy` (`row`, `ok`: its rows read a tile ahead, none past the range; with `TMA` read here)."""
     mbarrier.wait(ring.empty_bars.index(t % ring.STAGES), ((t // ring.STAGES) & 1) ^ 1)
-    _fp8q_copy(ring, t, row, ok, True)
+    if TMA:
+        if _tma_reads(src, t):
+            _tma_tile(ring, src, t, lat_desc, rope_desc)
+            async_copy.commit_group()
+        else:
+            part_row, part_ok = _next_rows(src, t)
+            _fp8q_copy(ring, t, part_row, part_ok, True)
+    else:
+        _fp8q_copy(ring, t, row, ok, True)
+
+
+@gluon.jit
+def _tma_reads(src: KvSource, t):
+    """Whether tile `t` lies inside the program's range: TMA copies it (a partial tile's rows past the range are
+    zeroed by `cp.async`, so that no stale bytes meet p = 0 in `p @ v`)."""
+    return src.start + (t + 1) * src.BLOCK_N <= src.end
+
+
+@gluon.jit
+def _tma_tile(ring: Ring, src: KvSource, t, lat_desc, rope_desc):
+    """Tile `t`'s rows by TMA into its slot, a box of one page's rows (or of the tile's, pages longer than a tile)
+    per 128 latent columns and one for the rope, all completing the slot's full barrier."""
+    BOX: gl.constexpr = lat_desc.block_type.shape[0]
+    slot = t % ring.STAGES
+    bar = ring.full_bars.index(slot)
+    mbarrier.expect(bar, src.BLOCK_N * 576)
+    n0 = src.start + t * src.BLOCK_N
+    for j in gl.static_range(src.BLOCK_N // BOX):
+        item = n0 + j * BOX
+        row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
+        rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
+        for c in gl.static_range(4):
+            tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
+        tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
+
+
+@gluon.jit
+def _copied(ring: Ring, slot, AHEAD: gl.constexpr):
+    """The scorer's `cp.async` copies of the slot's tile landed (each thread's, then all threads' at a barrier): the
+    slot is full for the scores and the p @ v warpgroups."""
+    async_copy.wait_group(AHEAD)
+    fence_async_shared()
+    _partition_barrier()
+    mbarrier.arrive(ring.full_bars.index(slot))
 
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program):
+                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -51,10 +95,11 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                                                        instr_shape=[16, BLOCK_N, 32])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    copy_row, copy_ok = _next_rows(src, 0)
+    copy_row, copy_ok = _next_rows(src, 0)  # with TMA unused past here
     for t in gl.static_range(AHEAD):
-        _issue_copy(ring, t, copy_row, copy_ok)
-        copy_row, copy_ok = _next_rows(src, t + 1)
+        _issue_copy(ring, src, t, copy_row, copy_ok, lat_desc, rope_desc, TMA)
+        if not TMA:
+            copy_row, copy_ok = _next_rows(src, t + 1)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -63,13 +108,17 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for t in range(prog.n_tiles):
-        _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
-        copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
-        async_copy.wait_group(AHEAD)  # this thread's copies of tile t landed
-        fence_async_shared()
-        _partition_barrier()  # and every thread's: the slot is full for the scores and the p @ v warpgroups
+        _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
+        if not TMA:
+            copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
         slot = t % ring.STAGES
-        mbarrier.arrive(ring.full_bars.index(slot))
+        if TMA:
+            if _tma_reads(src, t):
+                mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
+            else:
+                _copied(ring, slot, AHEAD)
+        else:
+            _copied(ring, slot, AHEAD)
         s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -123,7 +172,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -156,7 +205,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr):
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog)),
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                        lat_desc, rope_desc, TMA)),
         (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
         (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
         [4, 4], [PV_REGS, PV_REGS])

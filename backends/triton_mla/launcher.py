@@ -152,9 +152,32 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     `ds_mla`: `kv_cache` is fp8_ds_mla rows (viewed as e4m3)."""
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
-    from mla_tune.backends.triton_mla import hopper
+    from mla_tune.backends.triton_mla import dispatch, hopper
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
+    descriptors = (kv_descriptors(kv_cache, params.block_n)
+                   if params.kernel_form == "fp8_query_wide" and dispatch.FP8Q_TMA else None)
+    if descriptors is not None:
+        form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1], TMA_KV=True)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
+
+
+def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple | None:
+    """TMA descriptors of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix, boxes of a page's rows (a
+    tile's, for pages longer than a tile) by 128 latent or the 64 rope columns; None where TMA cannot read it that
+    way (pages not back to back, rows not 16-byte aligned, pages of other than a multiple of 8 rows that divide a
+    tile or are divided by it)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    pages, page_size, width = kv_cache.shape
+    box = min(page_size, block_n)
+    if (kv_cache.stride(2) != 1 or kv_cache.stride(0) != page_size * kv_cache.stride(1) or kv_cache.stride(1) % 16
+            or kv_cache.data_ptr() % 16 or box % 8 or max(page_size, block_n) % box):
+        return None
+    shape, strides = [pages * page_size, width], [kv_cache.stride(1), 1]
+    return tuple(TensorDescriptor(kv_cache, shape, strides, [box, cols],
+                                  gl.NVMMASharedLayout.get_default_for([box, cols], gl.float8e4nv))
+                 for cols in (128, 64))

@@ -49,6 +49,20 @@ def _order_pointer(const: dict, pointers: dict) -> None:
         const["order_ptr"] = None
 
 
+def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int) -> None:
+    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes) with TMA_KV, else the None the launcher
+    passes."""
+    if not const.get("TMA_KV"):
+        const.update(kv_lat_desc=None, kv_rope_desc=None)
+        return
+    from triton.experimental.gluon import language as gl
+
+    box = min(page_size, block_n)
+    for name, cols in (("kv_lat_desc", 128), ("kv_rope_desc", 64)):
+        layout = gl.NVMMASharedLayout.get_default_for([box, cols], gl.float8e4nv)
+        pointers[name] = f"tensordesc<fp8e4nv[{box}, {cols}],{layout!r}>"
+
+
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
                **flags) -> str:
     """PTX for sm_`arch` of a dense, page-size-64, q_len-1 launch of `_mla_split_kernel` with these constexprs."""
@@ -95,7 +109,10 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     _order_pointer(const, pointers)
+    _kv_descriptors(const, pointers, params.block_n, page_size)
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
+    for name in ("kv_lat_desc", "kv_rope_desc"):
+        attrs = {k: v for k, v in attrs.items() if _mla_hopper_kernel.arg_names[k[0]] != name}
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
