@@ -57,9 +57,11 @@ def _tma_reads(src: KvSource, t):
 
 @gluon.jit
 def _tma_tile(ring: Ring, src: KvSource, t, lat_desc, rope_desc):
-    """Tile `t`'s rows by TMA into its slot, a box of one page's rows (or of the tile's, pages longer than a tile)
-    per 128 latent columns and one for the rope, all completing the slot's full barrier."""
-    BOX: gl.constexpr = lat_desc.block_type.shape[0]
+    """Tile `t`'s rows by TMA into its slot, all completing the slot's full barrier: per page's rows (or the tile's,
+    for pages as long as a tile or longer) a box of their 512 latent columns (`[4, rows, 128]`, a tile's rows; else
+    one box per 128 columns) and one of the rope."""
+    BOX: gl.constexpr = rope_desc.block_type.shape[0]
+    WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the 4 column blocks of a tile's rows as one box
     slot = t % ring.STAGES
     bar = ring.full_bars.index(slot)
     mbarrier.expect(bar, src.BLOCK_N * 576)
@@ -67,9 +69,14 @@ def _tma_tile(ring: Ring, src: KvSource, t, lat_desc, rope_desc):
     for j in gl.static_range(src.BLOCK_N // BOX):
         item = n0 + j * BOX
         row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
-        rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
-        for c in gl.static_range(4):
-            tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
+        if WHOLE:
+            # the slot's bytes as [column block, row, 128]: the 128-byte swizzled [rows, 512] layout lies so
+            blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
+            tma.async_copy_global_to_shared(lat_desc, [0, row, 0], bar, blocks)
+        else:
+            rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
+            for c in gl.static_range(4):
+                tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
         tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
 
 

@@ -165,9 +165,9 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
 
 def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple | None:
-    """TMA descriptors of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix, boxes of a page's rows (a
-    tile's, for pages longer than a tile) by 128 latent or the 64 rope columns; None where TMA cannot read it that
-    way (pages not back to back, rows not 16-byte aligned, pages of other than a multiple of 8 rows that divide a
+    """TMA descriptors (latent, rope) of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix: boxes of a
+    page's rows (a tile's, for pages as long or longer) by the 64 rope columns, and by 128 latent columns or, a
+    tile's rows, by all 512 as `[4, rows, 128]`; None where TMA cannot read it that way (pages not back to back, rows not 16-byte aligned, pages of other than a multiple of 8 rows that divide a
     tile or are divided by it)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -177,7 +177,13 @@ def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple | None:
     if (kv_cache.stride(2) != 1 or kv_cache.stride(0) != page_size * kv_cache.stride(1) or kv_cache.stride(1) % 16
             or kv_cache.data_ptr() % 16 or box % 8 or max(page_size, block_n) % box):
         return None
-    shape, strides = [pages * page_size, width], [kv_cache.stride(1), 1]
-    return tuple(TensorDescriptor(kv_cache, shape, strides, [box, cols],
-                                  gl.NVMMASharedLayout.get_default_for([box, cols], gl.float8e4nv))
-                 for cols in (128, 64))
+    rows, row_stride = pages * page_size, kv_cache.stride(1)
+    rope = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 64],
+                            gl.NVMMASharedLayout.get_default_for([box, 64], gl.float8e4nv))
+    if box == block_n:  # a tile's 512 latent columns as one [column block, row, 128] box
+        lat = TensorDescriptor(kv_cache, [4, rows, 128], [128, row_stride, 1], [4, box, 128],
+                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+    else:
+        lat = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 128],
+                               gl.NVMMASharedLayout.get_default_for([box, 128], gl.float8e4nv))
+    return lat, rope

@@ -58,9 +58,14 @@ def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int) -
     from triton.experimental.gluon import language as gl
 
     box = min(page_size, block_n)
-    for name, cols in (("kv_lat_desc", 128), ("kv_rope_desc", 64)):
-        layout = gl.NVMMASharedLayout.get_default_for([box, cols], gl.float8e4nv)
-        pointers[name] = f"tensordesc<fp8e4nv[{box}, {cols}],{layout!r}>"
+    rope = gl.NVMMASharedLayout.get_default_for([box, 64], gl.float8e4nv)
+    pointers["kv_rope_desc"] = f"tensordesc<fp8e4nv[{box}, 64],{rope!r}>"
+    if box == block_n:
+        lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+        pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[4, {box}, 128],{lat!r}>"
+    else:
+        lat = gl.NVMMASharedLayout.get_default_for([box, 128], gl.float8e4nv)
+        pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[{box}, 128],{lat!r}>"
 
 
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
