@@ -221,7 +221,7 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
 # each KV tile, which launch two to four times the programs.
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
-# The wide FP8-query form copies whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
+# The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 
 

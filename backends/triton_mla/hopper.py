@@ -97,7 +97,7 @@ def _mla_hopper_kernel(
     if FP8_QUERY:  # e4m3 products (`hopper_fp8_query*.py`): slots, query and barriers of their own
         gl.static_assert(KV_FP8 and not DS_MLA and not SPARSE, "FP8_QUERY: dense, on an e4m3 cache")
         if N_ROWS < ROWS:
-            _run_fp8q(src, prog, LOAD_REGS)
+            _run_fp8q(src, prog, LOAD_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
         else:
             _run_fp8q_wide(src, prog, MMA_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 
 from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring
 from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
@@ -83,6 +83,37 @@ def _next_rows(src: KvSource, t):
 
 
 @gluon.jit
+def tma_reads(src: KvSource, t):
+    """Whether tile `t` lies inside the program's range: TMA copies it (a partial tile's rows past the range are
+    zeroed by `cp.async`, so that no stale bytes meet p = 0 in `p @ v`)."""
+    return src.start + (t + 1) * src.BLOCK_N <= src.end
+
+
+@gluon.jit
+def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc):
+    """Tile `t`'s rows by TMA into its slot, all completing `bar`: per page's rows (or the tile's,
+    for pages as long as a tile or longer) a box of their 512 latent columns (`[4, rows, 128]`, a tile's rows; else
+    one box per 128 columns) and one of the rope."""
+    BOX: gl.constexpr = rope_desc.block_type.shape[0]
+    WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the 4 column blocks of a tile's rows as one box
+    slot = t % ring.STAGES
+    mbarrier.expect(bar, src.BLOCK_N * 576)
+    n0 = src.start + t * src.BLOCK_N
+    for j in gl.static_range(src.BLOCK_N // BOX):
+        item = n0 + j * BOX
+        row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
+        if WHOLE:
+            # the slot's bytes as [column block, row, 128]: the 128-byte swizzled [rows, 512] layout lies so
+            blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
+            tma.async_copy_global_to_shared(lat_desc, [0, row, 0], bar, blocks)
+        else:
+            rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
+            for c in gl.static_range(4):
+                tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
+        tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
+
+
+@gluon.jit
 def _store_v_t(k_lat, v_t, COL0: gl.constexpr = 0, N_COLS: gl.constexpr = 512):
     """A slot's latent columns `COL0 .. COL0 + N_COLS - 1` (`k_lat`, `[tokens, 512]`, landed and seen by this
     partition's threads) read back in `_TRANSPOSE_LAYOUT` and stored transposed into `v_t` (`[N_COLS, tokens]`)."""
@@ -92,25 +123,42 @@ def _store_v_t(k_lat, v_t, COL0: gl.constexpr = 0, N_COLS: gl.constexpr = 512):
 
 
 @gluon.jit
-def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, FIRST: gl.constexpr, STRIDE: gl.constexpr):
-    """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, `cp.async` of the tile's e4m3 rows
-    into it; once they landed and the loader's warps met at a barrier, the latent columns read back
+def _copied_by_all(ring: Ring, t, row, ok):
+    """`_fp8q_copy` of tile `t` (four 128-column copies), landed for every thread of the loader (the read-back takes
+    bytes other threads copied)."""
+    _fp8q_copy(ring, t, row, ok, False)
+    async_copy.wait_group(0)
+    _partition_barrier()
+
+
+@gluon.jit
+def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, landed, lat_desc, rope_desc, FIRST: gl.constexpr,
+                         STRIDE: gl.constexpr, TMA: gl.constexpr):
+    """A loader for tiles `FIRST, FIRST + STRIDE, ...`: once the slot is free, the tile's e4m3 rows copied into it
+    (with `TMA`, a tile inside the range by `tma_tile`, landing on the slot's `landed` barrier; otherwise
+    `cp.async`, then the loader's warps meet at a barrier); then the latent columns read back
     (`_TRANSPOSE_LAYOUT`) and stored once more, transposed, into `v_t`."""
     row, ok = _next_rows(src, FIRST)
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        _fp8q_copy(ring, t, row, ok, False)
-        row, ok = _next_rows(src, t + STRIDE)
-        async_copy.wait_group(0)
-        _partition_barrier()  # the read-back takes bytes other threads of this loader copied
+        if TMA:
+            if tma_reads(src, t):
+                tma_tile(ring, src, t, landed.index(slot), lat_desc, rope_desc)
+                mbarrier.wait(landed.index(slot), (t // ring.STAGES) & 1)
+            else:
+                part_row, part_ok = _next_rows(src, t)
+                _copied_by_all(ring, t, part_row, part_ok)
+        else:
+            _copied_by_all(ring, t, row, ok)
+            row, ok = _next_rows(src, t + STRIDE)
         _store_v_t(ring.k_lat.index(slot), v_t.index(slot))
         fence_async_shared()
         mbarrier.arrive(ring.full_bars.index(slot))
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -127,12 +175,14 @@ def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr):
     p_smem = gl.allocate_shared_memory(dtype, [N_ROWS, BLOCK_N], narrow_layout)
     full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
+        mbarrier.init(landed.index(i), count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
-        (_fp8q_load_partition, (src, ring, v_t, 0, 2)),
-        (_fp8q_load_partition, (src, ring, v_t, 1, 2))],
+        (_fp8q_load_partition, (src, ring, v_t, landed, lat_desc, rope_desc, 0, 2, TMA)),
+        (_fp8q_load_partition, (src, ring, v_t, landed, lat_desc, rope_desc, 1, 2, TMA))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

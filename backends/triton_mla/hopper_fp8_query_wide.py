@@ -21,11 +21,12 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
     ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _partition_barrier, _next_rows, _store_v_t
+from mla_tune.backends.triton_mla.hopper_fp8_query import (
+    _fp8q_copy, _next_rows, _partition_barrier, _store_v_t, tma_reads, tma_tile)
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
@@ -34,50 +35,18 @@ P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stay
 @gluon.jit
 def _issue_copy(ring: Ring, src: KvSource, t, row, ok, lat_desc, rope_desc, TMA: gl.constexpr):
     """Once the slot of tile `t` is released: with `TMA`, a tile inside the program's range as TMA boxes that
-    complete the slot's full barrier themselves (`_tma_tile`; an empty commit group keeps `wait_group`'s count);
+    complete the slot's full barrier themselves (`tma_tile`; an empty commit group keeps `wait_group`'s count);
     otherwise `_fp8q_copy` (`row`, `ok`: its rows read a tile ahead, none past the range; with `TMA` read here)."""
     mbarrier.wait(ring.empty_bars.index(t % ring.STAGES), ((t // ring.STAGES) & 1) ^ 1)
     if TMA:
-        if _tma_reads(src, t):
-            _tma_tile(ring, src, t, lat_desc, rope_desc)
+        if tma_reads(src, t):
+            tma_tile(ring, src, t, ring.full_bars.index(t % ring.STAGES), lat_desc, rope_desc)
             async_copy.commit_group()
         else:
             part_row, part_ok = _next_rows(src, t)
             _fp8q_copy(ring, t, part_row, part_ok, True)
     else:
         _fp8q_copy(ring, t, row, ok, True)
-
-
-@gluon.jit
-def _tma_reads(src: KvSource, t):
-    """Whether tile `t` lies inside the program's range: TMA copies it (a partial tile's rows past the range are
-    zeroed by `cp.async`, so that no stale bytes meet p = 0 in `p @ v`)."""
-    return src.start + (t + 1) * src.BLOCK_N <= src.end
-
-
-@gluon.jit
-def _tma_tile(ring: Ring, src: KvSource, t, lat_desc, rope_desc):
-    """Tile `t`'s rows by TMA into its slot, all completing the slot's full barrier: per page's rows (or the tile's,
-    for pages as long as a tile or longer) a box of their 512 latent columns (`[4, rows, 128]`, a tile's rows; else
-    one box per 128 columns) and one of the rope."""
-    BOX: gl.constexpr = rope_desc.block_type.shape[0]
-    WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the 4 column blocks of a tile's rows as one box
-    slot = t % ring.STAGES
-    bar = ring.full_bars.index(slot)
-    mbarrier.expect(bar, src.BLOCK_N * 576)
-    n0 = src.start + t * src.BLOCK_N
-    for j in gl.static_range(src.BLOCK_N // BOX):
-        item = n0 + j * BOX
-        row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
-        if WHOLE:
-            # the slot's bytes as [column block, row, 128]: the 128-byte swizzled [rows, 512] layout lies so
-            blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
-            tma.async_copy_global_to_shared(lat_desc, [0, row, 0], bar, blocks)
-        else:
-            rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
-            for c in gl.static_range(4):
-                tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
-        tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
 
 
 @gluon.jit
@@ -120,7 +89,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
         slot = t % ring.STAGES
         if TMA:
-            if _tma_reads(src, t):
+            if tma_reads(src, t):
                 mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
             else:
                 _copied(ring, slot, AHEAD)

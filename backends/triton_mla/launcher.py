@@ -157,7 +157,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
     descriptors = (kv_descriptors(kv_cache, params.block_n)
-                   if params.kernel_form == "fp8_query_wide" and dispatch.FP8Q_TMA else None)
+                   if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:
         form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1], TMA_KV=True)
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
