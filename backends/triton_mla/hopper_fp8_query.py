@@ -27,6 +27,10 @@ from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 
 # Triton 3.9 renamed gl.thread_barrier to gl.barrier
 _GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
+# and shared_memory_descriptor._reinterpret to reinterpret
+_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+# and tma.async_copy_global_to_shared to async_load (a TMA copy of a descriptor's box into shared memory)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -104,13 +108,16 @@ def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc):
         row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
         if WHOLE:
             # the slot's bytes as [column block, row, 128]: the 128-byte swizzled [rows, 512] layout lies so
-            blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
-            tma.async_copy_global_to_shared(lat_desc, [0, row, 0], bar, blocks)
+            if _REINTERPRET:
+                blocks = ring.k_lat.index(slot).reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
+            else:
+                blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
+            _tma_load(lat_desc, [0, row, 0], bar, blocks)
         else:
             rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
             for c in gl.static_range(4):
-                tma.async_copy_global_to_shared(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
-        tma.async_copy_global_to_shared(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
+                _tma_load(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
+        _tma_load(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
 
 
 @gluon.jit

@@ -100,6 +100,36 @@ def test_the_launcher_refuses_fp8_query_without_an_e4m3_cache(kv):
                    kv_scale=kv_scale, params=params)
 
 
+def test_kv_descriptors_read_the_cache_rows_as_one_matrix_in_a_tiles_boxes():
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mla_tune.backends.triton_mla.launcher import kv_descriptors
+
+    cache = torch.zeros(10, 64, 576, dtype=torch.float8_e4m3fn)
+    lat, rope = kv_descriptors(cache, 64)
+    assert (lat.shape, lat.strides, lat.block_shape) == ([4, 640, 128], [128, 576, 1], [4, 64, 128])
+    assert (rope.shape, rope.strides, rope.block_shape) == ([640, 576], [576, 1], [64, 64])
+    assert lat.layout.swizzle_byte_width == 128 and rope.layout.swizzle_byte_width == 64
+    # pages of 16 rows: four pages a tile, a box per page and 128 latent columns
+    lat, rope = kv_descriptors(torch.zeros(10, 16, 576, dtype=torch.float8_e4m3fn), 64)
+    assert (lat.shape, lat.block_shape, rope.block_shape) == ([160, 576], [16, 128], [16, 64])
+    # rows of a wider buffer (vLLM's fp8_ds_mla-sized rows): the row stride is the buffer's
+    wide_rows = torch.zeros(10, 64, 656, dtype=torch.float8_e4m3fn)[:, :, :576]
+    assert kv_descriptors(wide_rows, 64)[1].strides == [656, 1]
+
+
+@pytest.mark.parametrize("cache", [
+    lambda: torch.zeros(10, 64, 576, dtype=torch.float8_e4m3fn)[::2],  # pages not back to back
+    lambda: torch.zeros(10, 64, 577, dtype=torch.float8_e4m3fn)[:, :, 1:],  # rows not 16-byte aligned
+    lambda: torch.zeros(10, 1, 576, dtype=torch.float8_e4m3fn),  # a page of one row
+    lambda: torch.zeros(10, 24, 576, dtype=torch.float8_e4m3fn),  # pages that do not divide a tile
+], ids=["page-stride", "unaligned", "page-1", "page-24"])
+def test_kv_descriptors_are_none_where_tma_cannot_read_the_cache_that_way(cache):
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mla_tune.backends.triton_mla.launcher import kv_descriptors
+
+    assert kv_descriptors(cache(), 64) is None
+
+
 def test_the_launcher_refuses_fp8_query_on_a_sparse_problem():
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
 
@@ -165,18 +195,42 @@ def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_l
 
     from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
 
-    ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True)
+    ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True, TMA_KV=True)
     # the scorer: 2 + 16 k-steps of m64n64k32 (rope, latent) a tile; each p @ v warpgroup: 2 k-steps of m64n256k32
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
     assert sorted(set(mmas)) == [("m64n256k32", "e4m3", "e4m3"), ("m64n64k32", "e4m3", "e4m3")], mmas[:3]
     assert mmas.count(("m64n64k32", "e4m3", "e4m3")) == 18 and mmas.count(("m64n256k32", "e4m3", "e4m3")) == 4
-    # the scorer copies e4m3 bytes (cp.async); each p @ v warpgroup stores its 256 columns of v^T with stmatrix
-    assert "cp.async.cg.shared.global" in ptx and len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == 16
+    # the scorer copies a whole tile by TMA (its latent columns as one 3-d box, its rope as a 2-d one; at the two
+    # copies before the loop and the one in it), a partial tile by cp.async; each p @ v warpgroup stores its 256
+    # columns of v^T with stmatrix
+    assert _tma_copies(ptx) == {"3d": 3, "2d": 3} and "cp.async.cg.shared.global" in ptx
+    assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == 16
     # 12 warps at 168 registers: the p @ v warpgroups' 128-register accumulators fit
     assert re.search(r"\.maxnreg 168", ptx) and ".reqntid 384" in ptx
     assert hopper_smem_bytes(block_n=64, stages=3, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
-    # the scorer's query rounding (256 values a thread) spills once, before the loop
-    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 512, report
+    # none with Triton 3.6 (what the GPU runs); about 600 bytes with 3.9
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 640, report
+
+
+def _tma_copies(ptx: str) -> dict:
+    """TMA copies into shared memory in `ptx`, by their box's rank (Triton 3.9 writes `shared::cta`, 3.6
+    `shared::cluster`)."""
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.(\dd)\.shared::(?:cta|cluster)\.global", ptx)
+    return {rank: copies.count(rank) for rank in sorted(set(copies))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows,page_size,boxes", [(64, 64, {"3d": 3, "2d": 3}), (64, 16, {"2d": 60}),
+                                                   (32, 64, {"3d": 2, "2d": 2}), (16, 16, {"2d": 40})])
+def test_the_fp8_query_forms_copy_whole_tiles_by_tma(rows, page_size, boxes):
+    from offline_compile import hopper_compile
+
+    ptx, _, _ = hopper_compile(kv="fp8", rows=rows, page_size=page_size, FP8_QUERY=True, TMA_KV=True)
+    # a page of a tile's 64 rows: one [4, 64, 128] latent box and one rope box; pages of 16 rows: four latent boxes
+    # of 128 columns and a rope box per page, four pages. The wide form's scorer copies at three sites, the narrow
+    # form's two loaders at one each; a partial tile is copied by cp.async (zeros past the range)
+    assert _tma_copies(ptx) == boxes
+    assert "cp.async.cg.shared.global" in ptx
 
 
 # ---------------------------------------------------------------- GPU (Hopper)
