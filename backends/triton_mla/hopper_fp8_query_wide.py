@@ -6,7 +6,8 @@ warpgroup. Here one program takes 64 rows in 12 warps, with no loader partition 
 the register file, so 16 warps, at most 128 registers each, cannot hold it beside anything else):
 
 - the scorer (the default partition, warpgroup 0) rounds the query to e4m3 (a scale per row, as the narrow form),
-  issues the `cp.async` copy of tile t + 2 into a ring of three token slots, scores tile t with the rows on M
+  issues the copy of tile t + 2 into a ring of three token slots (`hopper_fp8_query.tma_tile`, or `cp.async`),
+  scores tile t with the rows on M
   (`s = q k^T`, one m64n64 chain over 576 columns: the row max and sums stay within a quad of lanes) and hands p
   (`2^8 p` in e4m3) and the tile's rescale factors over one of two shared buffers;
 - two p @ v warpgroups each write their 256 of the tile's latent columns transposed into a v^T buffer of their own

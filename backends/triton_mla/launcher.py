@@ -167,8 +167,9 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple | None:
     """TMA descriptors (latent, rope) of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix: boxes of a
     page's rows (a tile's, for pages as long or longer) by the 64 rope columns, and by 128 latent columns or, a
-    tile's rows, by all 512 as `[4, rows, 128]`; None where TMA cannot read it that way (pages not back to back, rows not 16-byte aligned, pages of other than a multiple of 8 rows that divide a
-    tile or are divided by it)."""
+    tile's rows, by all 512 as `[4, rows, 128]` (the 128-byte swizzled slot's byte order); None where TMA cannot
+    read it that way: pages not back to back, rows not 16-byte aligned, pages other than a multiple of 8 rows that
+    divides a tile or is divided by it."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
