@@ -55,7 +55,7 @@ def _mla_hopper_kernel(
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
-    order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, TMA_KV: gl.constexpr = False,
+    order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -96,6 +96,7 @@ def _mla_hopper_kernel(
                    SPARSE, KV_FP8, DS_MLA)
     if FP8_QUERY:  # e4m3 products (`hopper_fp8_query*.py`): slots, query and barriers of their own
         gl.static_assert(KV_FP8 and not DS_MLA and not SPARSE, "FP8_QUERY: dense, on an e4m3 cache")
+        TMA_KV: gl.constexpr = kv_lat_desc is not None  # the launcher's descriptors (launcher.kv_descriptors)
         if N_ROWS < ROWS:
             _run_fp8q(src, prog, LOAD_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
         else:

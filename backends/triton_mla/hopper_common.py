@@ -152,7 +152,8 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
     the rescale factors a slot and the row sums (p itself goes over the slot's rope columns); with `fp8_query`,
-    e4m3 query, slots, v^T (narrow: one a slot; wide: one, in two halves) and p (wide: two, with their rescale factors)."""
+    e4m3 query, slots, v^T (narrow: one a slot; wide: one, in two halves) and p (wide: two, with their rescale
+    factors)."""
     if fp8_query:
         narrow = rows < ROWS.value
         v_slots, p_bufs = (stages, 1) if narrow else (1, 2)

@@ -5,11 +5,11 @@ The narrow form casts each FP8 tile to fp16 in its loaders, since wgmma has no e
 those fp16 tiles keep the shared-memory pipe busier than DRAM. Here nothing is cast: the loader copies a tile's
 e4m3 bytes into its slot (by TMA, `tma_tile`, or `cp.async`), the scores `s^T = k q^T` read them as they are, and
 the loader writes the slot's latent columns once more, transposed (`v^T`, tokens contiguous: wgmma reads 8-bit
-operands K-major only), for `o^T = v^T p^T`. Each query row is scaled so its largest magnitude is e4m3's largest (448) before its rounding, and
-p is rounded as `256 x p`, so that p down to 2^-14 stays a normal e4m3 value. The row sums add the rounded p, so
-the output is a weighted mean of v; the LSE reads the same sums, which p's rounding moves by at most
-`log(1 + 2^-4)` (each p but the row's largest, which is exact, by at most 2^-4 of itself). Sums of p before its
-rounding as well would take 16 more registers a thread, which the 32-row loop does not have.
+operands K-major only), for `o^T = v^T p^T`. Each query row is scaled so its largest magnitude is e4m3's largest
+(448) before its rounding, and p is rounded as `256 x p`, so that p down to 2^-14 stays a normal e4m3 value. The
+row sums add the rounded p, so the output is a weighted mean of v; the LSE reads the same sums, which p's rounding
+moves by at most `log(1 + 2^-4)` (each p but the row's largest, which is exact, by at most 2^-4 of itself). Sums of
+p before its rounding as well would take 16 more registers a thread, which the 32-row loop does not have.
 
 e4m3 slots and their `v^T` take 68 KiB each, so three fit beside the query.
 

@@ -159,7 +159,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     descriptors = (kv_descriptors(kv_cache, params.block_n)
                    if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:
-        form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1], TMA_KV=True)
+        form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1])
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
 

@@ -49,10 +49,10 @@ def _order_pointer(const: dict, pointers: dict) -> None:
         const["order_ptr"] = None
 
 
-def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int) -> None:
-    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes) with TMA_KV, else the None the launcher
+def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool) -> None:
+    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes) with `tma`, else the None the launcher
     passes."""
-    if not const.get("TMA_KV"):
+    if not tma:
         const.update(kv_lat_desc=None, kv_rope_desc=None)
         return
     from triton.experimental.gluon import language as gl
@@ -88,8 +88,8 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile), `kv` one of bf16, fp16,
-    fp8 and fp8_ds_mla, with the constexprs
+    (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile, `TMA_KV=True` with
+    it: its TMA copies), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs
     `dispatch.hopper_constexprs` gives a one-split launch, then `overrides`."""
     import subprocess
     import tempfile
@@ -104,8 +104,9 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     ds_mla = kv == "fp8_ds_mla"
     fp8 = kv == "fp8" or ds_mla
-    tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128, max_items=16384) if overrides.get("FP8_QUERY") else HOPPER_QK1_TILE if qk1
-            else HOPPER_TILES[rows])
+    tma = overrides.pop("TMA_KV", False)
+    tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128, max_items=16384) if overrides.get("FP8_QUERY")
+            else HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows])
     params = LaunchParams(**tile.launch_fields())
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
@@ -114,10 +115,11 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     _order_pointer(const, pointers)
-    _kv_descriptors(const, pointers, params.block_n, page_size)
+    _kv_descriptors(const, pointers, params.block_n, page_size, tma)
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
-    for name in ("kv_lat_desc", "kv_rope_desc"):
-        attrs = {k: v for k, v in attrs.items() if _mla_hopper_kernel.arg_names[k[0]] != name}
+    # a descriptor takes no pointer's divisibility
+    descriptors = ("kv_lat_desc", "kv_rope_desc")
+    attrs = {k: v for k, v in attrs.items() if _mla_hopper_kernel.arg_names[k[0]] not in descriptors}
     source = GluonASTSource(_mla_hopper_kernel, signature, constexprs=const, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": params.num_warps, "maxnreg": HOPPER_MAXNREG})
