@@ -223,8 +223,6 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
-FP8Q_WIDE_STAGES = 3  # experiment
-FP8Q_WIDE_COPY_LATE = False  # experiment: the scorer issues a tile's copy after its scores, not before
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -234,8 +232,7 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     rows = packed_rows(num_heads, q_len, sparse=False)
     wide = rows > 32 and rows * batch * max_items >= FP8_QUERY_WIDE_MIN_WORK
     bucket = 16 if rows <= 16 else 64 if wide else 32
-    tile = hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
-    return tile.replace(num_stages=FP8Q_WIDE_STAGES) if bucket == 64 else tile
+    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
 
 def other_fp8_query_form(tile: Tile) -> Tile:
@@ -308,5 +305,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        COPY_LATE=FP8Q_WIDE_COPY_LATE)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)

@@ -62,7 +62,7 @@ def _copied(ring: Ring, slot, AHEAD: gl.constexpr):
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, COPY_LATE: gl.constexpr):
+                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -85,8 +85,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for t in range(prog.n_tiles):
-        if not COPY_LATE:
-            _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
+        _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
         if not TMA:
             copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
         slot = t % ring.STAGES
@@ -94,14 +93,12 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             if tma_reads(src, t):
                 mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
             else:
-                _copied(ring, slot, AHEAD - 1 if COPY_LATE else AHEAD)
+                _copied(ring, slot, AHEAD)
         else:
             _copied(ring, slot, AHEAD)
         s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if COPY_LATE:
-            _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
         s = s * score_scale[:, None]
         if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
             pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
@@ -152,8 +149,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   COPY_LATE: gl.constexpr = False):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -187,7 +183,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        lat_desc, rope_desc, TMA, COPY_LATE)),
+                        lat_desc, rope_desc, TMA)),
         (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
         (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
         [4, 4], [PV_REGS, PV_REGS])
