@@ -223,6 +223,7 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
+FP8Q_WIDE_COPY_BY_PV = 0  # experiment: 1 the p @ v warpgroups copy their halves after p, 2 after the scores
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -305,4 +306,5 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
-        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query)
+        QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
+        COPY_BY_PV=FP8Q_WIDE_COPY_BY_PV if wide else 0)

@@ -98,14 +98,17 @@ def tma_reads(src: KvSource, t):
 
 
 @gluon.jit
-def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc):
+def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc, BLOCK0: gl.constexpr = 0,
+             N_BLOCKS: gl.constexpr = 4, ROPE: gl.constexpr = True):
     """Tile `t`'s rows by TMA into its slot, all completing `bar`: per page's rows (or the tile's,
-    for pages as long as a tile or longer) a box of their 512 latent columns (`[4, rows, 128]`, a tile's rows; else
-    one box per 128 columns) and one of the rope."""
+    for pages as long as a tile or longer) a box of latent column blocks `BLOCK0 .. BLOCK0 + N_BLOCKS - 1` (128
+    columns each; `[N_BLOCKS, rows, 128]`, a tile's rows; else one box per block) and, with `ROPE`, one of the rope."""
     BOX: gl.constexpr = rope_desc.block_type.shape[0]
-    WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the 4 column blocks of a tile's rows as one box
+    WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the column blocks of a tile's rows as one box
+    if WHOLE:
+        gl.static_assert(lat_desc.block_type.shape[0] == N_BLOCKS, "the descriptor's box takes N_BLOCKS blocks")
     slot = t % ring.STAGES
-    mbarrier.expect(bar, src.BLOCK_N * 576)
+    mbarrier.expect(bar, src.BLOCK_N * (N_BLOCKS * 128 + (64 if ROPE else 0)))
     n0 = src.start + t * src.BLOCK_N
     for j in gl.static_range(src.BLOCK_N // BOX):
         item = n0 + j * BOX
@@ -116,12 +119,15 @@ def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc):
                 blocks = ring.k_lat.index(slot).reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
             else:
                 blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
-            _tma_load(lat_desc, [0, row, 0], bar, blocks)
+            if N_BLOCKS < 4:
+                blocks = blocks.slice(BLOCK0, N_BLOCKS, dim=0)
+            _tma_load(lat_desc, [BLOCK0, row, 0], bar, blocks)
         else:
             rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
-            for c in gl.static_range(4):
+            for c in gl.static_range(BLOCK0, BLOCK0 + N_BLOCKS):
                 _tma_load(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
-        _tma_load(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
+        if ROPE:
+            _tma_load(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
 
 
 @gluon.jit

@@ -51,18 +51,18 @@ def _issue_copy(ring: Ring, src: KvSource, t, row, ok, lat_desc, rope_desc, TMA:
 
 
 @gluon.jit
-def _copied(ring: Ring, slot, AHEAD: gl.constexpr):
+def _copied(ring: Ring, slot, AHEAD: gl.constexpr, ARRIVALS: gl.constexpr = 1):
     """The scorer's `cp.async` copies of the slot's tile landed (each thread's, then all threads' at a barrier): the
-    slot is full for the scores and the p @ v warpgroups."""
+    slot is full for the scores and the p @ v warpgroups (`ARRIVALS`: the full barrier's count)."""
     async_copy.wait_group(AHEAD)
     fence_async_shared()
     _partition_barrier()
-    mbarrier.arrive(ring.full_bars.index(slot))
+    mbarrier.arrive(ring.full_bars.index(slot), count=ARRIVALS)
 
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr):
+                 prog: Program, lat_desc, rope_desc, scored, TMA: gl.constexpr, BY_PV: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
     and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
     and the LSE."""
@@ -73,10 +73,20 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     copy_row, copy_ok = _next_rows(src, 0)  # with TMA unused past here
-    for t in gl.static_range(AHEAD):
-        _issue_copy(ring, src, t, copy_row, copy_ok, lat_desc, rope_desc, TMA)
-        if not TMA:
-            copy_row, copy_ok = _next_rows(src, t + 1)
+    if BY_PV:  # the first STAGES tiles here; then the p @ v warpgroups copy their halves of each TMA tile
+        for t in gl.static_range(ring.STAGES):
+            if t < prog.n_tiles:
+                if tma_reads(src, t):  # two halves, as the p @ v warpgroups copy them: two arrivals
+                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 0, 2, True)
+                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 2, 2, False)
+                else:
+                    part_row, part_ok = _next_rows(src, t)
+                    _fp8q_copy(ring, t, part_row, part_ok, True)
+    else:
+        for t in gl.static_range(AHEAD):
+            _issue_copy(ring, src, t, copy_row, copy_ok, lat_desc, rope_desc, TMA)
+            if not TMA:
+                copy_row, copy_ok = _next_rows(src, t + 1)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -85,7 +95,8 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for t in range(prog.n_tiles):
-        _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
+        if not BY_PV:
+            _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
         if not TMA:
             copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
         slot = t % ring.STAGES
@@ -93,12 +104,14 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             if tma_reads(src, t):
                 mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
             else:
-                _copied(ring, slot, AHEAD)
+                _copied(ring, slot, 0 if BY_PV else AHEAD, 2 if BY_PV else 1)
         else:
             _copied(ring, slot, AHEAD)
         s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if BY_PV == 2:
+            mbarrier.arrive(scored.index(slot))
         s = s * score_scale[:, None]
         if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
             pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
@@ -116,6 +129,11 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         alpha_smem.index(buf).store(alpha)
         fence_async_shared()
         mbarrier.arrive(p_full.index(buf))
+        if BY_PV:  # a partial tile STAGES on: its zero-filling cp.async copy, once the slot is released
+            if (t + ring.STAGES < prog.n_tiles) & (src.start + (t + ring.STAGES + 1) * BLOCK_N > src.end):
+                mbarrier.wait(ring.empty_bars.index(slot), (t // ring.STAGES) & 1)
+                part_row, part_ok = _next_rows(src, t + ring.STAGES)
+                _fp8q_copy(ring, t + ring.STAGES, part_row, part_ok, True)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
     l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
     mbarrier.arrive(l_bar)
@@ -124,7 +142,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
 
 @gluon.jit
 def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-             HALF: gl.constexpr):
+             HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, scored, BY_PV: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
     token slot released, then p times them; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -138,7 +156,16 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
         _partition_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
         mbarrier.arrive(ring.empty_bars.index(slot))
         buf = t % P_BUFFERS
-        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
+        if BY_PV == 2:  # the scorer's scores of tile t are in: its slot takes tile t + STAGES
+            mbarrier.wait(scored.index(slot), (t // ring.STAGES) & 1)
+        else:
+            mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
+        if BY_PV:  # this half of tile t + STAGES into the slot, once the scores and this read-back are done
+            if tma_reads(src, t + ring.STAGES):
+                tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
+                         HALF == 0)
+        if BY_PV == 2:
+            mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
         acc = acc * alpha_smem.index(buf).load(rows_o)[:, None]
         acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -149,7 +176,8 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 
 @gluon.jit
-def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr):
+def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
+                   COPY_BY_PV: gl.constexpr = 0):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -172,8 +200,11 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     p_full = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    BY_PV: gl.constexpr = COPY_BY_PV if TMA else 0
     for i in gl.static_range(STAGES):
-        mbarrier.init(full_bars.index(i), count=1)
+        mbarrier.init(full_bars.index(i), count=2 if BY_PV else 1)
+        mbarrier.init(scored.index(i), count=1)
         # each p @ v warpgroup after its read-back; the scorer, which copies into the slot next, has its scores
         mbarrier.init(empty_bars.index(i), count=2)
     for i in gl.static_range(P_BUFFERS):
@@ -183,7 +214,9 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        lat_desc, rope_desc, TMA)),
-        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0)),
-        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1))],
+                        lat_desc, rope_desc, scored, TMA, BY_PV)),
+        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
+                    rope_desc, scored, BY_PV)),
+        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
+                    rope_desc, scored, BY_PV))],
         [4, 4], [PV_REGS, PV_REGS])

@@ -156,7 +156,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
-    descriptors = (kv_descriptors(kv_cache, params.block_n)
+    descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=2 if form.get("COPY_BY_PV") else 4)
                    if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:
         form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1])
@@ -164,7 +164,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                                            maxnreg=HOPPER_MAXNREG)
 
 
-def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple | None:
+def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int = 4) -> tuple | None:
     """TMA descriptors (latent, rope) of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix: boxes of a
     page's rows (a tile's, for pages as long or longer) by the 64 rope columns, and by 128 latent columns or, a
     tile's rows, by all 512 as `[4, rows, 128]` (the 128-byte swizzled slot's byte order); None where TMA cannot
@@ -182,7 +182,7 @@ def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple | None:
     rope = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 64],
                             gl.NVMMASharedLayout.get_default_for([box, 64], gl.float8e4nv))
     if box == block_n:  # a tile's 512 latent columns as one [column block, row, 128] box
-        lat = TensorDescriptor(kv_cache, [4, rows, 128], [128, row_stride, 1], [4, box, 128],
+        lat = TensorDescriptor(kv_cache, [4, rows, 128], [128, row_stride, 1], [col_blocks, box, 128],
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
     else:
         lat = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 128],

@@ -49,7 +49,8 @@ def _order_pointer(const: dict, pointers: dict) -> None:
         const["order_ptr"] = None
 
 
-def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool) -> None:
+def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool,
+                    col_blocks: int = 4) -> None:
     """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes) with `tma`, else the None the launcher
     passes."""
     if not tma:
@@ -62,7 +63,7 @@ def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, t
     pointers["kv_rope_desc"] = f"tensordesc<fp8e4nv[{box}, 64],{rope!r}>"
     if box == block_n:
         lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-        pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[4, {box}, 128],{lat!r}>"
+        pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[{col_blocks}, {box}, 128],{lat!r}>"
     else:
         lat = gl.NVMMASharedLayout.get_default_for([box, 128], gl.float8e4nv)
         pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[{box}, 128],{lat!r}>"
@@ -115,7 +116,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     _order_pointer(const, pointers)
-    _kv_descriptors(const, pointers, params.block_n, page_size, tma)
+    _kv_descriptors(const, pointers, params.block_n, page_size, tma, 2 if const.get("COPY_BY_PV") else 4)
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     # a descriptor takes no pointer's divisibility
     descriptors = ("kv_lat_desc", "kv_rope_desc")
