@@ -223,7 +223,8 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
-FP8Q_WIDE_COPY_BY_PV = 0  # experiment: 1 the p @ v warpgroups copy their halves after p, 2 after the scores
+FP8Q_WIDE_SCORES_AHEAD = False  # experiment: the wide scorer's score MMAs of tile t during tile t - 1's softmax
+FP8Q_WIDE_STAGES = 3  # experiment
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -233,7 +234,8 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     rows = packed_rows(num_heads, q_len, sparse=False)
     wide = rows > 32 and rows * batch * max_items >= FP8_QUERY_WIDE_MIN_WORK
     bucket = 16 if rows <= 16 else 64 if wide else 32
-    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
+    tile = hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
+    return tile.replace(num_stages=FP8Q_WIDE_STAGES) if bucket == 64 else tile
 
 
 def other_fp8_query_form(tile: Tile) -> Tile:
@@ -307,4 +309,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        COPY_BY_PV=FP8Q_WIDE_COPY_BY_PV if wide else 0)
+        SCORES_AHEAD=FP8Q_WIDE_SCORES_AHEAD and wide)

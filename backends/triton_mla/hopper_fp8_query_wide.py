@@ -34,20 +34,11 @@ P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stay
 
 
 @gluon.jit
-def _issue_copy(ring: Ring, src: KvSource, t, row, ok, lat_desc, rope_desc, TMA: gl.constexpr):
-    """Once the slot of tile `t` is released: with `TMA`, a tile inside the program's range as TMA boxes that
-    complete the slot's full barrier themselves (`tma_tile`; an empty commit group keeps `wait_group`'s count);
-    otherwise `_fp8q_copy` (`row`, `ok`: its rows read a tile ahead, none past the range; with `TMA` read here)."""
+def _issue_copy(ring: Ring, t, row, ok):
+    """Once the slot of tile `t` is released, `_fp8q_copy` of its rows (`row`, `ok`: read a tile ahead, none past
+    the range)."""
     mbarrier.wait(ring.empty_bars.index(t % ring.STAGES), ((t // ring.STAGES) & 1) ^ 1)
-    if TMA:
-        if tma_reads(src, t):
-            tma_tile(ring, src, t, ring.full_bars.index(t % ring.STAGES), lat_desc, rope_desc)
-            async_copy.commit_group()
-        else:
-            part_row, part_ok = _next_rows(src, t)
-            _fp8q_copy(ring, t, part_row, part_ok, True)
-    else:
-        _fp8q_copy(ring, t, row, ok, True)
+    _fp8q_copy(ring, t, row, ok, True)
 
 
 @gluon.jit
@@ -61,32 +52,86 @@ def _copied(ring: Ring, slot, AHEAD: gl.constexpr, ARRIVALS: gl.constexpr = 1):
 
 
 @gluon.jit
+def _tma_landed(ring: Ring, src: KvSource, t):
+    """With TMA: tile `t` is in its slot (TMA boxes, or the scorer's `cp.async` copy of a partial tile, which then
+    arrives for both halves the p @ v warpgroups would copy)."""
+    slot = t % ring.STAGES
+    if tma_reads(src, t):
+        mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
+    else:
+        _copied(ring, slot, 0, 2)
+
+
+@gluon.jit
+def _partial_copy(ring: Ring, src: KvSource, t):
+    """With TMA: where tile `t + STAGES` is the program's partial last tile, its zero-filling `cp.async` copy into
+    tile `t`'s slot once the p @ v warpgroups release it (they copy every other tile by TMA)."""
+    u = t + ring.STAGES
+    if (u < src.n_tiles) & (src.start + (u + 1) * src.BLOCK_N > src.end):
+        mbarrier.wait(ring.empty_bars.index(t % ring.STAGES), (t // ring.STAGES) & 1)
+        row, ok = _next_rows(src, u)
+        _fp8q_copy(ring, u, row, ok, True)
+
+
+@gluon.jit
+def _scores(q_lat, q_rope, ring: Ring, slot, zero_s):
+    """The score MMAs of the tile in `slot` (rows on M, one m64n64 chain over 576 columns), issued asynchronously."""
+    s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
+                  prog: Program, s_layout: gl.constexpr):
+    """Tile `t`'s online softmax on its raw scores `s`: p (`2^8 p` in e4m3) and the rescale factors into buffer
+    `t % P_BUFFERS` for the p @ v warpgroups; returns the running max and sums."""
+    BLOCK_N: gl.constexpr = prog.BLOCK_N
+    s = s * score_scale[:, None]
+    if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
+        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
+                                  gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
+        s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
+    l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+    buf = t % P_BUFFERS
+    mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
+    p_smem.index(buf).store(p)
+    alpha_smem.index(buf).store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(p_full.index(buf))
+    return m_new, l_i
+
+
+@gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, lat_desc, rope_desc, scored, TMA: gl.constexpr, BY_PV: gl.constexpr):
-    """Warpgroup 0: the e4m3 query; per tile the copy of the tile `STAGES - 1` on, the scores, the online softmax
-    and p with its rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups,
-    and the LSE."""
+                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr):
+    """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
+    buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
+    first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
+    `cp.async`, `STAGES - 1` ahead. `SCORES_AHEAD` (with `TMA`): tile t's score MMAs run while tile t - 1's
+    softmax does."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     AHEAD: gl.constexpr = ring.STAGES - 1  # tiles whose copies are in flight while one is scored
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    copy_row, copy_ok = _next_rows(src, 0)  # with TMA unused past here
-    if BY_PV:  # the first STAGES tiles here; then the p @ v warpgroups copy their halves of each TMA tile
+    if TMA:  # halves, as the p @ v warpgroups copy them later: two arrivals a tile
         for t in gl.static_range(ring.STAGES):
             if t < prog.n_tiles:
-                if tma_reads(src, t):  # two halves, as the p @ v warpgroups copy them: two arrivals
+                if tma_reads(src, t):
                     tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 0, 2, True)
                     tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 2, 2, False)
                 else:
                     part_row, part_ok = _next_rows(src, t)
                     _fp8q_copy(ring, t, part_row, part_ok, True)
     else:
+        copy_row, copy_ok = _next_rows(src, 0)
         for t in gl.static_range(AHEAD):
-            _issue_copy(ring, src, t, copy_row, copy_ok, lat_desc, rope_desc, TMA)
-            if not TMA:
-                copy_row, copy_ok = _next_rows(src, t + 1)
+            _issue_copy(ring, t, copy_row, copy_ok)
+            copy_row, copy_ok = _next_rows(src, t + 1)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -94,46 +139,33 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    for t in range(prog.n_tiles):
-        if not BY_PV:
-            _issue_copy(ring, src, t + AHEAD, copy_row, copy_ok, lat_desc, rope_desc, TMA)
-        if not TMA:
-            copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
-        slot = t % ring.STAGES
-        if TMA:
-            if tma_reads(src, t):
-                mbarrier.wait(ring.full_bars.index(slot), (t // ring.STAGES) & 1)
+    if TMA and SCORES_AHEAD:
+        s_prev = zero_s
+        for t in range(prog.n_tiles):
+            _tma_landed(ring, src, t)
+            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s)
+            if t > 0:  # the previous tile's softmax while this tile's score MMAs run
+                m_i, l_i = _softmax_to_p(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
+                                         alpha_smem, p_full, p_empty, prog, s_layout)
+                _partial_copy(ring, src, t - 1)
+            s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
+        if prog.n_tiles > 0:
+            m_i, l_i = _softmax_to_p(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end,
+                                     p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
+    else:
+        for t in range(prog.n_tiles):
+            slot = t % ring.STAGES
+            if TMA:
+                _tma_landed(ring, src, t)
             else:
-                _copied(ring, slot, 0 if BY_PV else AHEAD, 2 if BY_PV else 1)
-        else:
-            _copied(ring, slot, AHEAD)
-        s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if BY_PV == 2:
-            mbarrier.arrive(scored.index(slot))
-        s = s * score_scale[:, None]
-        if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
-            pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s, BLOCK_N,
-                                      prog.SPARSE)
-            s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
-        m_i = m_new
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-        buf = t % P_BUFFERS
-        mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
-        p_smem.index(buf).store(p)
-        alpha_smem.index(buf).store(alpha)
-        fence_async_shared()
-        mbarrier.arrive(p_full.index(buf))
-        if BY_PV:  # a partial tile STAGES on: its zero-filling cp.async copy, once the slot is released
-            if (t + ring.STAGES < prog.n_tiles) & (src.start + (t + ring.STAGES + 1) * BLOCK_N > src.end):
-                mbarrier.wait(ring.empty_bars.index(slot), (t // ring.STAGES) & 1)
-                part_row, part_ok = _next_rows(src, t + ring.STAGES)
-                _fp8q_copy(ring, t + ring.STAGES, part_row, part_ok, True)
+                _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
+                copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
+                _copied(ring, slot, AHEAD)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s),))
+            m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
+                                     p_full, p_empty, prog, s_layout)
+            if TMA:
+                _partial_copy(ring, src, t)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
     l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
     mbarrier.arrive(l_bar)
@@ -142,7 +174,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
 
 @gluon.jit
 def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-             HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, scored, BY_PV: gl.constexpr):
+             HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
     token slot released, then p times them; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -156,16 +188,11 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
         _partition_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
         mbarrier.arrive(ring.empty_bars.index(slot))
         buf = t % P_BUFFERS
-        if BY_PV == 2:  # the scorer's scores of tile t are in: its slot takes tile t + STAGES
-            mbarrier.wait(scored.index(slot), (t // ring.STAGES) & 1)
-        else:
-            mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
-        if BY_PV:  # this half of tile t + STAGES into the slot, once the scores and this read-back are done
+        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
+        if TMA:  # this half of tile t + STAGES into the slot: p says the scores read it, and so did this read-back
             if tma_reads(src, t + ring.STAGES):
                 tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
                          HALF == 0)
-        if BY_PV == 2:
-            mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
         acc = acc * alpha_smem.index(buf).load(rows_o)[:, None]
         acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -177,7 +204,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   COPY_BY_PV: gl.constexpr = 0):
+                   SCORES_AHEAD: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -200,11 +227,9 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     p_full = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    BY_PV: gl.constexpr = COPY_BY_PV if TMA else 0
     for i in gl.static_range(STAGES):
-        mbarrier.init(full_bars.index(i), count=2 if BY_PV else 1)
-        mbarrier.init(scored.index(i), count=1)
+        # with TMA, each p @ v warpgroup's copy of its half (the scorer's first tiles and partial tiles arrive twice)
+        mbarrier.init(full_bars.index(i), count=2 if TMA else 1)
         # each p @ v warpgroup after its read-back; the scorer, which copies into the slot next, has its scores
         mbarrier.init(empty_bars.index(i), count=2)
     for i in gl.static_range(P_BUFFERS):
@@ -214,9 +239,9 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        lat_desc, rope_desc, scored, TMA, BY_PV)),
+                        lat_desc, rope_desc, TMA, SCORES_AHEAD)),
         (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
-                    rope_desc, scored, BY_PV)),
+                    rope_desc, TMA)),
         (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
-                    rope_desc, scored, BY_PV))],
+                    rope_desc, TMA))],
         [4, 4], [PV_REGS, PV_REGS])

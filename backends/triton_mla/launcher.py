@@ -156,7 +156,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
-    descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=2 if form.get("COPY_BY_PV") else 4)
+    descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=2 if params.block_h == 64 else 4)
                    if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:
         form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1])

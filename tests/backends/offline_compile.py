@@ -116,7 +116,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     _order_pointer(const, pointers)
-    _kv_descriptors(const, pointers, params.block_n, page_size, tma, 2 if const.get("COPY_BY_PV") else 4)
+    _kv_descriptors(const, pointers, params.block_n, page_size, tma, 2 if params.block_h == 64 else 4)
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     # a descriptor takes no pointer's divisibility
     descriptors = ("kv_lat_desc", "kv_rope_desc")
