@@ -71,13 +71,14 @@ HOPPER_NARROW_SHAPES = {32: HopperShape(block_h=32, block_n=64, num_warps=4, num
 HOPPER_FP8_QUERY_SHAPES = {**{rows: dataclasses.replace(shape, num_stages=3)
                               for rows, shape in HOPPER_NARROW_SHAPES.items()},
                            64: HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=3, warps_run=12)}
-# experiment: the wide form with four token slots
-FP8_QUERY_WIDE_4 = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=4, warps_run=12)
+# The wide form with four token slots (226 KiB of shared memory), where it scores each tile during the previous
+# tile's softmax (`dispatch.FP8_QUERY_WIDE_AHEAD_MIN_WORK`).
+HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=4, warps_run=12)
 # The qk1 form: launched with 4 warps (warpgroup 0, which scores); warpgroup 1 and the loader are workers.
 HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2, warps_run=12)
 # The Hopper shape by rows bucket (16 and 32: narrow; 64: token-split).
 HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
-FP8_QUERY_SHAPES = tuple(s.key() for s in HOPPER_FP8_QUERY_SHAPES.values()) + (FP8_QUERY_WIDE_4.key(),)
+FP8_QUERY_SHAPES = tuple(s.key() for s in (*HOPPER_FP8_QUERY_SHAPES.values(), HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE))
 WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE)) + FP8_QUERY_SHAPES
 # 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers (every form runs 12); `setmaxnreg` then
 # rebalances them between its partitions.

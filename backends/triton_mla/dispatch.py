@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
-    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_LOAD_REGS, HOPPER_NARROW_SHAPES,
-    HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, FP8_QUERY_WIDE_PV_REGS, LaunchParams,
+    BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, HOPPER_LOAD_REGS,
+    HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, FP8_QUERY_WIDE_PV_REGS, LaunchParams,
     Tile, hopper_tile, packed_rows, rows_bucket)
 
 
@@ -223,24 +223,31 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
-FP8Q_WIDE_SCORES_AHEAD = False  # experiment: the wide scorer's score MMAs of tile t during tile t - 1's softmax
-FP8Q_WIDE_STAGES = 3  # experiment
+# From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
+# tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
+FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
     """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form for up to 32 packed rows
     (16 rows for up to 16); above, the wide form where the shape has FP8_QUERY_WIDE_MIN_WORK (128 rows: two row
-    blocks over each KV tile), else 32-row narrow blocks."""
+    blocks over each KV tile; four slots and the scores a tile ahead from FP8_QUERY_WIDE_AHEAD_MIN_WORK), else
+    32-row narrow blocks."""
     rows = packed_rows(num_heads, q_len, sparse=False)
-    wide = rows > 32 and rows * batch * max_items >= FP8_QUERY_WIDE_MIN_WORK
+    work = rows * batch * max_items
+    if rows > 32 and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
+        return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
+    wide = rows > 32 and work >= FP8_QUERY_WIDE_MIN_WORK
     bucket = 16 if rows <= 16 else 64 if wide else 32
-    tile = hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
-    return tile.replace(num_stages=FP8Q_WIDE_STAGES) if bucket == 64 else tile
+    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
 
-def other_fp8_query_form(tile: Tile) -> Tile:
-    """For more than 32 packed rows: the FP8-query tile of the form `tile` is not (wide, or 32-row narrow blocks)."""
-    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[32 if tile.block_h == 64 else 64]).replace(fp8_query=True)
+def other_fp8_query_forms(tile: Tile) -> list[Tile]:
+    """For more than 32 packed rows: the FP8-query tiles of the forms `tile` is not (wide with three slots, wide
+    with four and the scores ahead, 32-row narrow blocks)."""
+    shapes = (HOPPER_FP8_QUERY_SHAPES[64], HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, HOPPER_FP8_QUERY_SHAPES[32])
+    tiles = [hopper_tile(shape).replace(fp8_query=True) for shape in shapes]
+    return [t for t in tiles if t != tile]
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
@@ -256,7 +263,7 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
     if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) > 32:
-        family.append(other_fp8_query_form(default))
+        family += other_fp8_query_forms(default)
     if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query forms are refined in their splits
         if default.warp_specialized:
             family.append(table_tile(_kind(kv_fp8 or ds_mla), bucket, batch=batch, sparse=sparse, cc_major=cc_major))
@@ -309,4 +316,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=FP8Q_WIDE_SCORES_AHEAD and wide)
+        SCORES_AHEAD=wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages)

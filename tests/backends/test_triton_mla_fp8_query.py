@@ -46,9 +46,10 @@ def test_fp8_query_runs_on_the_fp8_query_forms_only():
 
 def test_every_hopper_form_runs_12_warps_as_its_maxnreg_assumes():
     from mla_tune.backends.triton_mla.config import (
-        HOPPER_FP8_QUERY_SHAPES, HOPPER_MAXNREG, HOPPER_QK1_SHAPE, HOPPER_SHAPES)
+        HOPPER_FP8_QUERY_SHAPES, HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, HOPPER_MAXNREG, HOPPER_QK1_SHAPE, HOPPER_SHAPES)
 
-    shapes = [*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE, *HOPPER_FP8_QUERY_SHAPES.values()]
+    shapes = [*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE, *HOPPER_FP8_QUERY_SHAPES.values(),
+              HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE]
     assert {s.warps_run for s in shapes} == {12} and HOPPER_MAXNREG * 12 * 32 <= 65536
     assert sorted(HOPPER_FP8_QUERY_SHAPES) == [16, 32, 64]
 
@@ -61,13 +62,15 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above
                                (20, 2, 64), (64, 1, 64), (128, 2, 64)):
         tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
-    # rows x batch x the longest request: 64 heads from batch 128 at 1k tokens, 128 heads from batch 4 at 16k
+    # rows x batch x the longest request: 64 heads from batch 128 at 1k tokens, 128 heads from batch 4 at 16k; four
+    # slots and the scores ahead from 64 heads at batch 64, 16k tokens
     work = FP8_QUERY_WIDE_MIN_WORK
-    for heads, batch, max_items, rows in ((64, 128, 1024, 64), (64, 64, 1024, 32), (64, 16, 4096, 32),
-                                          (128, 4, 16384, 64), (128, 16, 1024, 32), (128, 1, work // 128, 64),
-                                          (32, 128, 16384, 32)):
+    for heads, batch, max_items, rows, slots in (
+            (64, 128, 1024, 64, 3), (64, 64, 1024, 32, 3), (64, 16, 4096, 32, 3), (128, 4, 16384, 64, 3),
+            (128, 16, 1024, 32, 3), (128, 1, work // 128, 64, 3), (32, 128, 16384, 32, 3),
+            (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
-        assert tile.block_h == rows, (heads, batch, max_items, tile)
+        assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
     # the dispatch gives it whatever the shape; the tuner's refinement also times the other form above 32 rows,
     # and otherwise varies its splits only
     from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
@@ -79,7 +82,9 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above
         tiles = candidate_tiles(**facts, fp8_query=True)
         assert tiles[0] == default and len(tiles) > 1 and all(t.fp8_query for t in tiles)
         forms = {t.replace(min_split_tokens=0) for t in tiles}
-        assert {t.block_h for t in forms} == {default.block_h} | ({other} if other else set()), tiles
+        # above 32 rows all three forms: 32-row narrow blocks, the wide form with three slots and with four
+        assert {(t.block_h, t.num_stages) for t in forms} == ({(32, 3), (64, 3), (64, 4)} if other else
+                                                              {(default.block_h, default.num_stages)}), tiles
         assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
 
@@ -112,6 +117,8 @@ def test_kv_descriptors_read_the_cache_rows_as_one_matrix_in_a_tiles_boxes():
     # pages of 16 rows: four pages a tile, a box per page and 128 latent columns
     lat, rope = kv_descriptors(torch.zeros(10, 16, 576, dtype=torch.float8_e4m3fn), 64)
     assert (lat.shape, lat.block_shape, rope.block_shape) == ([160, 576], [16, 128], [16, 64])
+    # the wide form's p @ v warpgroups copy half the latent columns each: [2, 64, 128] boxes
+    assert kv_descriptors(cache, 64, col_blocks=2)[0].block_shape == [2, 64, 128]
     # rows of a wider buffer (vLLM's fp8_ds_mla-sized rows): the row stride is the buffer's
     wide_rows = torch.zeros(10, 64, 656, dtype=torch.float8_e4m3fn)[:, :, :576]
     assert kv_descriptors(wide_rows, 64)[1].strides == [656, 1]
@@ -189,26 +196,27 @@ def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(row
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q_len", [1, 2])
-def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_len):
+@pytest.mark.parametrize("q_len,slots", [(1, 3), (2, 3), (1, 4)])
+def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_len, slots):
     from offline_compile import hopper_compile
 
     from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
 
-    ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True, TMA_KV=True)
+    ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True, TMA_KV=True, STAGES=slots,
+                                       SCORES_AHEAD=slots == 4)
     # the scorer: 2 + 16 k-steps of m64n64k32 (rope, latent) a tile; each p @ v warpgroup: 2 k-steps of m64n256k32
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
     assert sorted(set(mmas)) == [("m64n256k32", "e4m3", "e4m3"), ("m64n64k32", "e4m3", "e4m3")], mmas[:3]
     assert mmas.count(("m64n64k32", "e4m3", "e4m3")) == 18 and mmas.count(("m64n256k32", "e4m3", "e4m3")) == 4
-    # the scorer copies a whole tile by TMA (its latent columns as one 3-d box, its rope as a 2-d one; at the two
-    # copies before the loop and the one in it), a partial tile by cp.async; each p @ v warpgroup stores its 256
-    # columns of v^T with stmatrix
-    assert _tma_copies(ptx) == {"3d": 3, "2d": 3} and "cp.async.cg.shared.global" in ptx
+    # whole tiles go by TMA, as two 3-d boxes of half the latent columns and a 2-d one of the rope: the scorer
+    # copies the first `slots` tiles, each p @ v warpgroup its half of every later one (the first with the rope);
+    # the scorer copies a partial tile by cp.async; each p @ v warpgroup stores its 256 columns of v^T with stmatrix
+    assert _tma_copies(ptx) == {"3d": 2 * slots + 2, "2d": slots + 1} and "cp.async.cg.shared.global" in ptx
     assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == 16
     # 12 warps at 168 registers: the p @ v warpgroups' 128-register accumulators fit
     assert re.search(r"\.maxnreg 168", ptx) and ".reqntid 384" in ptx
-    assert hopper_smem_bytes(block_n=64, stages=3, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
-    # none with Triton 3.6 (what the GPU runs); about 600 bytes with 3.9
+    assert hopper_smem_bytes(block_n=64, stages=slots, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
+    # at most 8 bytes with Triton 3.6 (what the GPU runs); about 600 bytes with 3.9
     assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 640, report
 
 
@@ -220,15 +228,16 @@ def _tma_copies(ptx: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows,page_size,boxes", [(64, 64, {"3d": 3, "2d": 3}), (64, 16, {"2d": 60}),
+@pytest.mark.parametrize("rows,page_size,boxes", [(64, 64, {"3d": 10, "2d": 5}), (64, 16, {"2d": 100}),
                                                    (32, 64, {"3d": 2, "2d": 2}), (16, 16, {"2d": 40})])
 def test_the_fp8_query_forms_copy_whole_tiles_by_tma(rows, page_size, boxes):
     from offline_compile import hopper_compile
 
     ptx, _, _ = hopper_compile(kv="fp8", rows=rows, page_size=page_size, FP8_QUERY=True, TMA_KV=True)
-    # a page of a tile's 64 rows: one [4, 64, 128] latent box and one rope box; pages of 16 rows: four latent boxes
-    # of 128 columns and a rope box per page, four pages. The wide form's scorer copies at three sites, the narrow
-    # form's two loaders at one each; a partial tile is copied by cp.async (zeros past the range)
+    # a page of a tile's 64 rows: one [4, 64, 128] latent box (wide form: two [2, 64, 128] boxes) and one rope box;
+    # pages of 16 rows: a box per page and 128 latent columns, and a rope box per page, four pages. The wide form
+    # (four slots here) copies at four sites before its loop and in its two p @ v warpgroups, the narrow form's two
+    # loaders at one each; a partial tile is copied by cp.async (zeros past the range)
     assert _tma_copies(ptx) == boxes
     assert "cp.async.cg.shared.global" in ptx
 
@@ -240,6 +249,7 @@ def _hopper() -> bool:
 
 
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the FP8-query form needs an SM90 GPU")
+FORMS = ("narrow", "wide", "ahead")  # above 32 packed rows (`_fp8_query_case`)
 
 
 def _round_query_like_the_kernel(q: torch.Tensor) -> torch.Tensor:
@@ -255,11 +265,14 @@ def _rel(a, b) -> float:
 
 
 def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0,
-                    kv_ramp=False, wide=None) -> dict:
-    """MLA_TUNE_TRITON_FP8Q's kernel on one case against the references; `wide` (above 32 packed rows): force the
-    wide form (True) or 32-row narrow blocks (False), None: the dispatch's choice."""
+                    kv_ramp=False, form=None) -> dict:
+    """MLA_TUNE_TRITON_FP8Q's kernel on one case against the references; `form` (above 32 packed rows): force 32-row
+    narrow blocks ("narrow"), the wide form with three slots ("wide") or four and the scores ahead ("ahead"); None:
+    the dispatch's choice."""
     from mla_tune.backends.triton_mla import mla_decode
-    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile, other_fp8_query_form
+    from mla_tune.backends.triton_mla.config import (
+        HOPPER_FP8_QUERY_SHAPES, HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, hopper_tile)
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
     from mla_tune.backends.triton_mla.splits import params_from_tile
 
     problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len)
@@ -271,8 +284,10 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
         _ramp_keys(inputs, page_size)
     lengths = inputs.seq_lens.tolist()
     tile = fp8_query_tile(num_heads=heads, q_len=q_len, batch=shape.batch_size, max_items=max(max(lengths), 1))
-    if wide is not None and (tile.block_h == 64) != wide:
-        tile = other_fp8_query_form(tile)
+    if form is not None:
+        shapes = {"narrow": HOPPER_FP8_QUERY_SHAPES[32], "wide": HOPPER_FP8_QUERY_SHAPES[64],
+                  "ahead": HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE}
+        tile = hopper_tile(shapes[form]).replace(fp8_query=True)
     params = params_from_tile(tile, num_heads=heads, q_len=q_len,
                               batch=shape.batch_size, max_items=max(max(lengths), 1), sparse=False, lengths=lengths,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -319,18 +334,18 @@ def _assert_close(r: dict) -> None:
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_gpu_fp8_query_edge_lengths(q_len, heads, page_size):
     # lengths 1, 15, 16, 17, 1000, 0 and two long ones that split, permuted pages, odd head counts; above 32 packed
-    # rows both the wide form and 32-row narrow blocks
+    # rows 32-row narrow blocks and both wide forms
     lens = [max(n, q_len) if n else 0 for n in (1, 15, 16, 17, 1000, 0)] + [5000, 777]
-    for wide in ((False, True) if heads * q_len > 32 else (None,)):
-        _assert_close(_fp8_query_case(heads, q_len, page_size, Shape(len(lens), 5000), lens=lens, wide=wide))
+    for form in (FORMS if heads * q_len > 32 else (None,)):
+        _assert_close(_fp8_query_case(heads, q_len, page_size, Shape(len(lens), 5000), lens=lens, form=form))
 
 
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (32, 64, 16384), (128, 8, 4096), (64, 3, 3001)])
 def test_gpu_fp8_query_long(heads, batch, kv_len):
-    for wide in ((False, True) if heads > 32 else (None,)):
-        _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len), wide=wide))
+    for form in (FORMS if heads > 32 else (None,)):
+        _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len), form=form))
 
 
 @pytest.mark.gpu
@@ -343,9 +358,9 @@ def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
     # the float32 reference on an H200, above the gate's limit), so the kernel is held to the reference on the query
     # rounded as it rounds it, and its lse to what p's rounding may move (log(1 + 2^-4))
     lens = [5000, 777, 3001, 64, 17]
-    for wide in ((False, True) if heads * q_len > 32 else (None,)):
+    for form in (FORMS if heads * q_len > 32 else (None,)):
         r = _fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0,
-                            kv_ramp=True, wide=wide)
+                            kv_ramp=True, form=form)
         assert not r["nan"] and r["unseen_rows_ok"], r
         assert r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 0.061, r
 
@@ -357,6 +372,6 @@ def test_gpu_fp8_query_one_split_of_many_tiles_and_a_large_query():
     # range); scores of ~1e5 make the softmax follow the query's rounding (28 % from the float32 reference), so the
     # kernel is held to the reference on the query rounded as it rounds it; its lse (~1e5) to 1 % of itself, as the
     # FP8 MMAs accumulate the scores with fewer bits than float32 (786 off at 1e5 on an H200)
-    for wide in (False, True):
-        r = _fp8_query_case(64, 1, 64, Shape(3, 3000), lens=[3000, 17, 2999], splits=1, q_mult=3e4, wide=wide)
+    for form in FORMS:
+        r = _fp8_query_case(64, 1, 64, Shape(3, 3000), lens=[3000, 17, 2999], splits=1, q_mult=3e4, form=form)
         assert not r["nan"] and r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 1e-2 * r["lse_magnitude"], r
