@@ -67,7 +67,7 @@ HOPPER_NARROW_SHAPES = {32: HopperShape(block_h=32, block_n=64, num_warps=4, num
                         16: HopperShape(block_h=16, block_n=64, num_warps=4, num_stages=2, warps_run=12)}
 # The FP8-query forms (`fp8_query`): the narrow form on e4m3 tensor cores for 16-32 rows, whose e4m3 slots and their
 # v^T (68 KiB a slot) leave room for three; for 64 rows the wide form (`hopper_fp8_query_wide.py`): launched with 4
-# warps (the scorer, which also copies the tiles), the two p @ v warpgroups are workers; three 36 KiB token slots.
+# warps (the scorer), the two p @ v warpgroups are workers; three 36 KiB token slots (four: see below).
 HOPPER_FP8_QUERY_SHAPES = {**{rows: dataclasses.replace(shape, num_stages=3)
                               for rows, shape in HOPPER_NARROW_SHAPES.items()},
                            64: HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=3, warps_run=12)}

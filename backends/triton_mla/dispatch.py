@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
     BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, HOPPER_LOAD_REGS,
-    HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS, FP8_QUERY_WIDE_PV_REGS, LaunchParams,
-    Tile, hopper_tile, packed_rows, rows_bucket)
+    HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS,
+    FP8_QUERY_WIDE_PV_REGS, LaunchParams, Tile, hopper_tile, packed_rows, rows_bucket)
 
 
 @dataclass(frozen=True, kw_only=True)

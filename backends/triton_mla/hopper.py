@@ -11,7 +11,7 @@ compute on the other slot. The kernel has three forms, chosen by the launch shap
 
 With `FP8_QUERY` (`LaunchParams.fp8_query`, an e4m3 cache) every product runs on e4m3 tensor cores instead, with
 slots and loaders of its own: the narrow form for 16-32 rows (`hopper_fp8_query.py`), the wide form for 64
-(`hopper_fp8_query_wide.py`: a scorer warpgroup, which also copies the tiles, and two p @ v warpgroups).
+(`hopper_fp8_query_wide.py`: a scorer warpgroup and two p @ v warpgroups, which copy the tiles by TMA).
 
 A program is the same unit as in the tl kernel (packed query rows x one split of the KV range) and writes the same
 `(out, lse)` partials, merged by `combine._mla_combine_kernel`. Shared memory: the query (64 x 576 x 2 bytes = 72 KiB)
@@ -54,7 +54,8 @@ def _mla_hopper_kernel(
     MMA_REGS: gl.constexpr = 0, PARTIAL_EVICT_LAST: gl.constexpr = False, QUERY_IN_CONSUMER: gl.constexpr = False,
     SPLIT_PER_REQUEST: gl.constexpr = False,
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
-    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False, SCORES_AHEAD: gl.constexpr = False,
+    QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
+    SCORES_AHEAD: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None,
 ):
     pid_m = gl.program_id(0)

@@ -6,15 +6,20 @@ warpgroup. Here one program takes 64 rows in 12 warps, with no loader partition 
 the register file, so 16 warps, at most 128 registers each, cannot hold it beside anything else):
 
 - the scorer (the default partition, warpgroup 0) rounds the query to e4m3 (a scale per row, as the narrow form),
-  issues the copy of tile t + 2 into a ring of three token slots (`hopper_fp8_query.tma_tile`, or `cp.async`),
-  scores tile t with the rows on M
-  (`s = q k^T`, one m64n64 chain over 576 columns: the row max and sums stay within a quad of lanes) and hands p
-  (`2^8 p` in e4m3) and the tile's rescale factors over one of two shared buffers;
+  scores tile t with the rows on M (`s = q k^T`, one m64n64 chain over 576 columns: the row max and sums stay within
+  a quad of lanes) and hands p (`2^8 p` in e4m3) and the tile's rescale factors over one of two shared buffers; with
+  four token slots and TMA copies it issues tile t's score MMAs before tile t - 1's softmax, which runs while they do;
 - two p @ v warpgroups each write their 256 of the tile's latent columns transposed into a v^T buffer of their own
   (8-bit wgmma takes only K-major operands; `hopper_fp8_query._store_v_t`'s read-back layout), release the token
   slot, and multiply p by them (`o += p v`); at the end they write those output columns with the scorer's row sums.
 
-Shared memory: the query (36 KiB), three token slots (108 KiB), the two v^T halves (32 KiB), two p buffers (8 KiB).
+Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
+warpgroup, once p of tile t is in (the scores have read its slot) and its own read-back is done, copies its half of
+tile `t + slots` into that slot (`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling
+`cp.async` copy. Otherwise the scorer copies every tile by `cp.async`, `slots - 1` ahead.
+
+Shared memory: the query (36 KiB), three or four token slots (36 KiB each), the two v^T halves (32 KiB), two p
+buffers (8 KiB).
 """
 
 from __future__ import annotations

@@ -167,7 +167,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int = 4) -> tuple | None:
     """TMA descriptors (latent, rope) of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix: boxes of a
     page's rows (a tile's, for pages as long or longer) by the 64 rope columns, and by 128 latent columns or, a
-    tile's rows, by all 512 as `[4, rows, 128]` (the 128-byte swizzled slot's byte order); None where TMA cannot
+    tile's rows, by `col_blocks` blocks of 128 as `[col_blocks, rows, 128]` (the 128-byte swizzled slot's byte order;
+    2 for the wide form, whose p @ v warpgroups copy half the columns each); None where TMA cannot
     read it that way: pages not back to back, rows not 16-byte aligned, pages other than a multiple of 8 rows that
     divides a tile or is divided by it."""
     from triton.experimental.gluon import language as gl
