@@ -226,7 +226,6 @@ FP8Q_TMA = True
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
 # tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26
-FP8Q_WIDE_THREAD_SUMS = False  # experiment: the wide scorer's row sums per thread, reduced after the loop
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -317,5 +316,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages,
-        THREAD_SUMS=FP8Q_WIDE_THREAD_SUMS and wide)
+        SCORES_AHEAD=wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages)

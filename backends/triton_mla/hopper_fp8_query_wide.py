@@ -87,9 +87,9 @@ def _scores(q_lat, q_rope, ring: Ring, slot, zero_s):
 
 @gluon.jit
 def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
-                  prog: Program, s_layout: gl.constexpr, THREAD_SUMS: gl.constexpr):
+                  prog: Program, s_layout: gl.constexpr):
     """Tile `t`'s online softmax on its raw scores `s`: p (`2^8 p` in e4m3) and the rescale factors into buffer
-    `t % P_BUFFERS` for the p @ v warpgroups; returns the running max and sums."""
+    `t % P_BUFFERS` for the p @ v warpgroups; returns the running max and each thread's part of the row sums."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     s = s * score_scale[:, None]
     if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
@@ -100,11 +100,10 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
-    if THREAD_SUMS:  # each thread's columns, reduced across the quad after the loop
-        p32 = gl.reshape(p.to(gl.float32), [p.shape[0], 8, p.shape[1] // 8])
-        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + gl.sum(p32, 1)
-    else:
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+    # the sums of the rounded p that `p @ v` multiplies, over each thread's columns (`[rows, 8, 8]`: the column
+    # blocks of 8 a thread holds are registers), reduced across the quad of lanes after the loop
+    p_blocks = gl.reshape(p.to(gl.float32), [p.shape[0], 8, p.shape[1] // 8])
+    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + gl.sum(p_blocks, 1)
     buf = t % P_BUFFERS
     mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
     p_smem.index(buf).store(p)
@@ -116,8 +115,7 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                 THREAD_SUMS: gl.constexpr):
+                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
     buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
     first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
@@ -148,10 +146,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here every row sees whole
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    if THREAD_SUMS:
-        l_i = gl.sum(gl.reshape(zero_s, [ROWS, 8, BLOCK_N // 8]), 1)
-    else:
-        l_i = gl.zeros([ROWS], gl.float32, rows_s)
+    l_i = gl.sum(gl.reshape(zero_s, [ROWS, 8, BLOCK_N // 8]), 1)  # each thread's part (`_softmax_to_p`)
     if TMA and SCORES_AHEAD:
         s_prev = zero_s
         for t in range(prog.n_tiles):
@@ -159,12 +154,12 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s)
             if t > 0:  # the previous tile's softmax while this tile's score MMAs run
                 m_i, l_i = _softmax_to_p(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                         alpha_smem, p_full, p_empty, prog, s_layout, THREAD_SUMS)
+                                         alpha_smem, p_full, p_empty, prog, s_layout)
                 _partial_copy(ring, src, t - 1)
             s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
         if prog.n_tiles > 0:
             m_i, l_i = _softmax_to_p(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end,
-                                     p_smem, alpha_smem, p_full, p_empty, prog, s_layout, THREAD_SUMS)
+                                     p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
     else:
         for t in range(prog.n_tiles):
             slot = t % ring.STAGES
@@ -176,12 +171,11 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                 _copied(ring, slot, AHEAD)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s),))
             m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
-                                     p_full, p_empty, prog, s_layout, THREAD_SUMS)
+                                     p_full, p_empty, prog, s_layout)
             if TMA:
                 _partial_copy(ring, src, t)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
-    if THREAD_SUMS:
-        l_i = gl.convert_layout(gl.sum(l_i, 1), rows_s)
+    l_i = gl.convert_layout(gl.sum(l_i, 1), rows_s)
     l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
     mbarrier.arrive(l_bar)
     _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s)
@@ -219,7 +213,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, THREAD_SUMS: gl.constexpr = False):
+                   SCORES_AHEAD: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -254,7 +248,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        lat_desc, rope_desc, TMA, SCORES_AHEAD, THREAD_SUMS)),
+                        lat_desc, rope_desc, TMA, SCORES_AHEAD)),
         (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
                     rope_desc, TMA)),
         (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
