@@ -156,12 +156,18 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
-    descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=2 if params.block_h == 64 else 4)
+    descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=tma_col_blocks(params))
                    if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:
         form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1])
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
+
+
+def tma_col_blocks(params: LaunchParams) -> int:
+    """The 128-column latent blocks one TMA box of a tile takes: half of them in the wide FP8-query form (each p @ v
+    warpgroup copies its half), all four in the narrow one."""
+    return 2 if params.kernel_form == "fp8_query_wide" else 4
 
 
 def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int = 4) -> tuple | None:

@@ -102,6 +102,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     from mla_tune.backends.triton_mla.dispatch import (
         HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs)
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
+    from mla_tune.backends.triton_mla.launcher import tma_col_blocks
 
     ds_mla = kv == "fp8_ds_mla"
     fp8 = kv == "fp8" or ds_mla
@@ -116,7 +117,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
     _order_pointer(const, pointers)
-    _kv_descriptors(const, pointers, params.block_n, page_size, tma, 2 if params.block_h == 64 else 4)
+    _kv_descriptors(const, pointers, params.block_n, page_size, tma, tma_col_blocks(params))
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     # a descriptor takes no pointer's divisibility
     descriptors = ("kv_lat_desc", "kv_rope_desc")
