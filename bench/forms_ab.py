@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--form", default="qk1", help="only shapes whose default tile is of this kernel form (any: all)")
     p.add_argument("--ours", default=None, help="the backend of variant A and the --set variants (default: "
                    "MLA_TUNE_TRITON, or MLA_TUNE_TRITON_SPARSE on sparse shapes)")
+    p.add_argument("--uniform", action="store_true", help="every request kv_len tokens (default: ragged, as a tune)")
     p.add_argument("--others", default="FLASHMLA,FLASH_ATTN_MLA", help="vLLM's kernels timed beside (dense names; "
                    "the sparse ones are added for sparse shapes)")
     args, rest = p.parse_known_args(argv)
@@ -113,7 +114,8 @@ def run_shape(shape, args, env) -> list[dict]:
     problem = Problem(num_heads=heads, kv_cache_dtype=kv, page_size=args.page_size, topk=topk)
     ours = ours_of(shape, args)
     others = [n.strip() + ("_SPARSE" if topk else "") for n in args.others.split(",") if n.strip()]
-    inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch)
+    inputs = make_inputs(problem, Shape(batch, kv_len), device="cuda", seed=heads * 1000 + batch,
+                         ragged=not args.uniform)
     base = dict(kv=kv, heads=heads, batch=batch, kv_len=kv_len, topk=topk or "-",
                 checked=f"{min(batch, args.check_requests)}/{batch}")
     variants = [(variant_name(i, args.ours), ours, lambda s=switches: SwitchedRunner.prepare(ours, problem, inputs, s))
@@ -166,7 +168,8 @@ def _run(args, emit: Lines) -> int:
         emit(f"# forms_ab: variant {variant_name(i, args.ours)}: "
              + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
     emit("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
-    emit("# lengths: ragged, up to kv_len (make_inputs' default; bench/kernels.py times uniform ones unless --ragged)")
+    emit("# lengths: every request kv_len tokens (--uniform)" if args.uniform else
+         "# lengths: ragged, up to kv_len (make_inputs' default; bench/kernels.py times uniform ones unless --ragged)")
     emit("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
     emit(kernels.HEADER)
     logs = {variant_name(i, args.ours): [] for i in range(len(args.variants))}

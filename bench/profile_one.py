@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="fp8_e4m3")
     parser.add_argument("--topk", type=int, default=None, help="sparse top-k (default: dense)")
     parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--uniform", action="store_true", help="every request kv_len tokens (default: ragged)")
     parser.add_argument("--set", dest="switches", default="",
                         help="NAME=EXPR[; ...]: dispatch switches to launch with (as bench/forms_ab.py's --set)")
     args = parser.parse_args()
@@ -31,7 +32,8 @@ def main() -> None:
     from mla_tune.backends.registry import load_adapter
 
     problem = Problem(num_heads=args.heads, kv_cache_dtype=args.kv_dtype, page_size=64, topk=args.topk)
-    inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=0)
+    inputs = make_inputs(problem, Shape(args.batch, args.kv_len), device="cuda", seed=0,
+                         ragged=not args.uniform)
     from forms_ab import parse_switches, switched
 
     with switched(parse_switches(args.switches)):
@@ -40,7 +42,7 @@ def main() -> None:
             runner.run(inputs)
         torch.cuda.synchronize()
     print(f"{args.backend}: {args.launches} launches of heads {args.heads} batch {args.batch} kv {args.kv_len} "
-          f"{args.kv_dtype}" + (f" top-k {args.topk}" if args.topk else "")
+          f"{args.kv_dtype}" + (" uniform" if args.uniform else "") + (f" top-k {args.topk}" if args.topk else "")
           + (f" with {args.switches}" if args.switches else ""))
 
 
