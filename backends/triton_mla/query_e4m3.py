@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0  # e4m3's largest finite value
+E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 ROWS_PER_PROGRAM = 16
 
 
@@ -62,6 +62,7 @@ def round_query_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q8, q_amax) as `round_query` computes them, in torch (the tests' reference)."""
     x = q.float()
     amax = x.abs().amax(-1)
-    amax = torch.where(amax > 0, amax, torch.full_like(amax, E4M3_MAX))
-    q8 = (x * (E4M3_MAX / amax)[..., None]).to(torch.float8_e4m3fn)
-    return q8, amax / E4M3_MAX
+    top = E4M3_MAX.value
+    amax = torch.where(amax > 0, amax, torch.full_like(amax, top))
+    q8 = (x * (top / amax)[..., None]).to(torch.float8_e4m3fn)
+    return q8, amax / top
