@@ -223,9 +223,6 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
-# The FP8-query launches round the query to e4m3 once, before stage 1 (query_e4m3.py), which copies the rounded rows;
-# otherwise every program rounds its rows itself.
-FP8Q_ROUNDED_QUERY = True
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
 # tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26
