@@ -223,11 +223,6 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
-# The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
-# program; the other FP8-query forms round their rows in each program. The wide form's scorer took about 7 us to load
-# and round its 64 rows (its 176 registers hold a quarter of them, so it reads each twice, the second read from L2),
-# the narrow form's MMA warps under 1 us for 32; the separate launch costs about 2.5 us in a CUDA graph.
-FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
 # tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26
