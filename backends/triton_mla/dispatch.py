@@ -220,7 +220,7 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this much work,
 # packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
 # each KV tile, which launch two to four times the programs. From FP8_QUERY_WIDE_LONG_MIN_WORK already where the
-# longest request has FP8_QUERY_WIDE_LONG_ITEMS tokens (at 1k-token requests the narrow blocks stay faster there).
+# longest request has FP8_QUERY_WIDE_LONG_ITEMS tokens (at 1k-token requests the narrow blocks measured faster).
 FP8_QUERY_WIDE_MIN_WORK = 1 << 23
 FP8_QUERY_WIDE_LONG_MIN_WORK = 1 << 22
 FP8_QUERY_WIDE_LONG_ITEMS = 4096

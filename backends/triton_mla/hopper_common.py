@@ -213,7 +213,7 @@ def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
     (fenced for wgmma); returns `max |q_row| / 448` per row in `rows_layout` (1 for a row of zeros or past the
     heads), the factor its scores take back."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    # 128 columns at a time, read twice (the second read from L1), so that a thread holds 64 values, not 288
+    # 128 columns at a time, read twice (the second read from cache), so that a thread holds 64 values, not 288
     rope = _load_query(prog, 512, layout, 64, True).to(gl.float32)
     amax = gl.max(gl.abs(rope), 1)
     for c in gl.static_range(4):
