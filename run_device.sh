@@ -1,0 +1,16 @@
+#!/bin/bash
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl >/dev/null 2>&1
+python3 bench/vllm_site.py >/dev/null
+export PYTHONPATH=$PWD/.vsite:$PWD/.site:${PYTHONPATH:-}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+case "$1" in
+tests)
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/backends/test_triton_mla_fp8_query.py 2>&1 | tail -15
+  ;;
+ab)
+  shift
+  cd bench && timeout 400 python3 forms_ab.py --form fp8_query_wide --ours MLA_TUNE_TRITON_FP8Q --others FLASHMLA --dense-only --kv-dtype fp8_e4m3 --max-seconds 0.15 "$@" 2>&1 | tail -40
+  ;;
+esac
