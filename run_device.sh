@@ -9,6 +9,13 @@ case "$1" in
 tests)
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/backends/test_triton_mla_fp8_query.py 2>&1 | tail -15
   ;;
+ptests)
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/backends/test_triton_mla_fp8_query.py -k "persistent or edge" 2>&1 | tail -3
+  ;;
+ncu)
+  shift
+  cd bench && $NCU --clock-control none --metrics gpu__time_duration.sum -c 12 --csv python3 profile_one.py MLA_TUNE_TRITON_FP8Q --launches 3 "$@" 2>/dev/null | grep '^"[0-9]' | awk -F'","' '{printf "%s | %s\n", substr($5,1,40), $NF}'
+  ;;
 ab)
   shift
   cd bench && timeout 400 python3 forms_ab.py --form fp8_query_wide --ours MLA_TUNE_TRITON_FP8Q --others FLASHMLA --dense-only --kv-dtype fp8_e4m3 --max-seconds 0.15 "$@" 2>&1 | tail -40
