@@ -116,8 +116,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             DS_MLA=ds_mla,
             num_warps=params.num_warps, num_stages=params.num_stages,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
-    if params.persistent:  # as wide as the most pieces a request has (the programs would make it 128-256)
-        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=workspace.most_pieces,
+    if params.persistent:
+        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
                  split_table=workspace.split_table)
     elif splits > 1:
         _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
@@ -144,7 +144,7 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
              split_table: torch.Tensor | None = None) -> None:
     """Stage 2: merge the split partials into `out` / `lse`; with `lengths` only each request's splits of
     `split_items` that hold tokens (a `longest_first` launch runs no other); with `split_table` each request's
-    (first slot, count) of a persistent launch's partials (at most `splits`)."""
+    (first slot, count) of a persistent launch's partials (at most `splits`, its programs)."""
     batch, q_len = out.shape[0], out.shape[1]
     _mla_combine_kernel[(q_len * num_heads, batch)](
         workspace.o_part, workspace.lse_part, out, lse,

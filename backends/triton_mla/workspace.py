@@ -28,8 +28,7 @@ class Workspace:
     (None with one split); `p_scratch`: the split_scores exchange slots (None without it); `order`: int32, the
     (request, split) each program runs (`splits.launch_order`, from the prepared lengths: a run on longer requests
     would miss splits; None: the grid's own). A persistent launch: `o_part` `[slots, q_len, heads, 512]` (a slot a
-    piece), `schedule` and `split_table` (`splits.PersistentSchedule`'s, int32), `most_pieces`: the most partials a
-    request has (the combine's width)."""
+    piece), `schedule` and `split_table` (`splits.PersistentSchedule`'s, int32)."""
 
     o_part: torch.Tensor | None
     lse_part: torch.Tensor | None
@@ -37,7 +36,6 @@ class Workspace:
     order: torch.Tensor | None = None
     schedule: torch.Tensor | None = None
     split_table: torch.Tensor | None = None
-    most_pieces: int = 0
 
     @classmethod
     def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
@@ -80,5 +78,4 @@ class Workspace:
         lse_part = torch.empty(schedule.slots, q_len, num_heads, dtype=torch.float32, device=device)
         as_int32 = dict(dtype=torch.int32, device=device)
         return cls(o_part, lse_part, schedule=torch.tensor(schedule.table, **as_int32),
-                   split_table=torch.tensor(schedule.split_table, **as_int32),
-                   most_pieces=max(schedule.split_table[1::2]))
+                   split_table=torch.tensor(schedule.split_table, **as_int32))
