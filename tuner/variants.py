@@ -95,9 +95,7 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
     heads, q_len, head = problem.num_heads, problem.q_len, problem.geometry.head_size
     latent, splits, topk = problem.geometry.kv_lora_rank, params.num_splits, problem.topk or 0
     rows = q_len * heads
-    if params.persistent:  # partials by slot alone (`launcher._destinations`)
-        o_strides, l_strides = (0, rows * latent, heads * latent, latent), (0, rows, heads, 1)
-    elif splits > 1:
+    if splits > 1:
         o_strides = (splits * rows * latent, rows * latent, heads * latent, latent)
         l_strides = (splits * rows, rows, heads, 1)
     else:
@@ -118,7 +116,6 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
         return stage1, None
     block_s = 1 << (splits - 1).bit_length()
     combine = ("combine", problem.query_dtype, block_s, min(block_s, COMBINE_SPLITS_AT_ONCE), params.longest_first,
-               params.persistent,
                _specs(heads, splits, *o_strides, *l_strides, rows * latent, heads * latent, rows, heads,
                       params.split_items if params.longest_first else 0))
     return stage1, combine

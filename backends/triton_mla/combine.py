@@ -19,24 +19,19 @@ def _mla_combine_kernel(
     stride_lb, stride_lt, stride_lh,
     num_heads, num_splits, seq_lens_ptr, split_items,
     D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = 1,
-    SPLITS_OF_LENGTHS: tl.constexpr = False, SPLIT_TABLE: tl.constexpr = False,
+    SPLITS_OF_LENGTHS: tl.constexpr = False,
 ):
     """One (query token, head) row: the softmax-weighted sum of its splits' partials, `SPLITS_AT_ONCE` splits'
     partials loaded together (1: one split after the other). SPLITS_OF_LENGTHS: only the request's splits of
-    `split_items` that hold tokens were run (the others' partials are stale). SPLIT_TABLE: `seq_lens_ptr` holds each
-    request's (first slot, count) of a persistent launch's partials, which are indexed by slot alone."""
+    `split_items` that hold tokens were run (the others' partials are stale)."""
     row = tl.program_id(0)  # q_len * heads
     b = tl.program_id(1).to(tl.int64)
     if SPLITS_OF_LENGTHS:
         num_splits = tl.minimum(tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + b), split_items), 1), num_splits)
-    slot0 = b * 0
-    if SPLIT_TABLE:
-        slot0 = tl.load(seq_lens_ptr + 2 * b).to(tl.int64)
-        num_splits = tl.load(seq_lens_ptr + 2 * b + 1)
     qi = row // num_heads
     h = row % num_heads
     offs_s = tl.arange(0, BLOCK_S)
-    lse_base = lse_part_ptr + b * stride_qb + slot0 * stride_qs + qi * stride_qt + h * stride_qh
+    lse_base = lse_part_ptr + b * stride_qb + qi * stride_qt + h * stride_qh
     lse_s = tl.load(lse_base + offs_s * stride_qs, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -44,7 +39,7 @@ def _mla_combine_kernel(
     inv_total = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
 
     offs_c = tl.arange(0, D_LATENT)
-    o_base = o_part_ptr + b * stride_pb + slot0 * stride_ps + qi * stride_pt + h * stride_ph
+    o_base = o_part_ptr + b * stride_pb + qi * stride_pt + h * stride_ph
     acc = tl.zeros([D_LATENT], dtype=tl.float32)
     for s0 in range(0, num_splits, SPLITS_AT_ONCE):
         offs = s0 + tl.arange(0, SPLITS_AT_ONCE)

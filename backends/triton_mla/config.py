@@ -125,9 +125,6 @@ class LaunchParams:
             (`hopper_fp8_query_wide.py`); less accurate, so a backend of its own.
         longest_first: (dense, fixed splits, the lengths known) the programs launched longest first, in an order
             prepared from the lengths (`splits.launch_order`, kept in the workspace).
-        persistent: (the wide FP8-query form, the lengths known) `num_splits` programs per row block, each running
-            a list of pieces, a piece one request's run of tiles, so that every program streams about as many tiles
-            (`splits.persistent_schedule`, kept in the workspace).
     """
 
     block_h: int = 64
@@ -147,7 +144,6 @@ class LaunchParams:
     split_per_request: bool = False
     fp8_query: bool = False
     longest_first: bool = False
-    persistent: bool = False
 
     def __post_init__(self):
         if self.split_scores and not self.split_d:
@@ -168,9 +164,6 @@ class LaunchParams:
                              f"(block_h, block_n, num_warps, num_stages) = {' or '.join(map(str, FP8_QUERY_SHAPES))}")
         if self.longest_first and (self.split_per_request or self.split_items <= 0):
             raise ValueError("longest_first orders fixed splits: it needs split_items and not split_per_request")
-        if self.persistent and (self.kernel_form != "fp8_query_wide" or self.longest_first or self.split_per_request):
-            raise ValueError("persistent runs the wide FP8-query form only, without longest_first or "
-                             "split_per_request")
         if self.warp_specialized and not self.fp8_query and shape in FP8_QUERY_SHAPES:
             raise ValueError(f"{shape} is the FP8-query form's launch shape: its 16-bit slots would not fit")
 
@@ -181,7 +174,7 @@ class LaunchParams:
                 f"{f'R{self.max_regs}' if self.max_regs else ''}{'S' if self.split_scores else ''}"
                 f"{'o' if self.opaque_v_cast else ''}{'W' if self.warp_specialized else ''}"
                 f"{'Q' if self.fp8_query else ''}x{self.num_splits}{'L' if self.split_per_request else ''}"
-                f"{'O' if self.longest_first else ''}{'P' if self.persistent else ''}")
+                f"{'O' if self.longest_first else ''}")
 
     @property
     def kernel_form(self) -> str:

@@ -155,10 +155,6 @@ PROGRAM_TOKENS = 64
 # long on the H200: bench/results/split-order-h200.txt).
 PARTIAL_ROW_KV_TOKENS = 3.5
 LAUNCH_ORDER = "longest_first"
-# The wide FP8-query form with the lengths known: one persistent program per SM and row block, each taking runs of
-# the requests' tiles (`splits.persistent_schedule`), a run costing PERSISTENT_PIECE_TILES tiles beyond its own.
-FP8_QUERY_WIDE_PERSISTENT = True
-PERSISTENT_PIECE_TILES = 2
 # The tuner's refinement: the default's minimum split scaled by these, at most REFINE_MAX_TILES tiles in all.
 REFINE_SPLIT_FACTORS = (2.0, 0.5)
 REFINE_MAX_TILES = 4

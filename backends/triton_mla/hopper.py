@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    LOAD_WARPS, ROWS, KvSource, Pieces, Program, Ring, _store_query, hopper_smem_bytes)
+    LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, hopper_smem_bytes)
 from mla_tune.backends.triton_mla.hopper_fp8_query import _run_fp8q
 from mla_tune.backends.triton_mla.hopper_fp8_query_wide import _run_fp8q_wide
 from mla_tune.backends.triton_mla.hopper_narrow import _run_narrow
@@ -57,17 +57,10 @@ def _mla_hopper_kernel(
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
     SCORES_AHEAD: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None,
-    schedule_ptr=None, PERSISTENT: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
-    if PERSISTENT:  # the values below are a template: each piece names its request (splits.persistent_schedule)
-        pieces = Pieces(schedule_ptr + gl.num_programs(1) + 1, gl.load(schedule_ptr + b),
-                        gl.load(schedule_ptr + b + 1), seq_lens_ptr, block_table_ptr, stride_btb)
-        b = b * 0
-    else:
-        pieces = None
     if ORDERED:  # grid (m_blocks, programs): the (request, split) this one runs (splits.launch_order)
         piece = gl.load(order_ptr + b)
         b = piece & 0xFFFF
@@ -108,7 +101,7 @@ def _mla_hopper_kernel(
         if N_ROWS < ROWS:
             _run_fp8q(src, prog, LOAD_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
         else:
-            _run_fp8q_wide(src, prog, MMA_REGS, kv_lat_desc, kv_rope_desc, TMA_KV, SCORES_AHEAD, pieces)
+            _run_fp8q_wide(src, prog, MMA_REGS, kv_lat_desc, kv_rope_desc, TMA_KV, SCORES_AHEAD)
     else:
         # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
         # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.

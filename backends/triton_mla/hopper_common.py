@@ -147,29 +147,6 @@ class Ring:
         self.STAGES = gl.constexpr(STAGES)
 
 
-@aggregate
-class Pieces:
-    """A persistent program's pieces (`splits.persistent_schedule`): `table` points at the pieces' entries
-    (request, partial slot, first token, end token), this program's are `first .. last - 1`."""
-
-    table: base_value
-    first: base_value
-    last: base_value
-    seq_lens_ptr: base_value
-    block_table_ptr: base_value
-    stride_btb: base_value
-
-    @gluon.constexpr_function
-    def __init__(self, table, first, last, seq_lens_ptr, block_table_ptr, stride_btb):
-        self.table = table
-        self.first = first
-        self.last = last
-        self.seq_lens_ptr = seq_lens_ptr
-        self.block_table_ptr = block_table_ptr
-        self.stride_btb = _value(stride_btb)
-
-
-
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False,
                       ds_mla: bool = False, fp8_query: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the

@@ -30,37 +30,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    ROWS, KvSource, Pieces, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3,
-    _tile_positions)
+    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
 from mla_tune.backends.triton_mla.hopper_fp8_query import (
     _fp8q_copy, _next_rows, _partition_barrier, _store_v_t, tma_reads, tma_tile)
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
-
-
-@gluon.jit
-def _piece(pieces: Pieces, i, base, prog: Program, src: KvSource):
-    """Piece `i` as the `Program` and `KvSource` of a program whose tiles are numbered from `base` (the tiles of
-    the program's earlier pieces, so that slots and barrier phases run on across pieces), and its tile count."""
-    entry = pieces.table + 4 * i
-    b = gl.load(entry)
-    slot = gl.load(entry + 1)
-    start = gl.load(entry + 2)
-    end = gl.load(entry + 3)
-    seq_len = gl.load(pieces.seq_lens_ptr + b)
-    n_tiles = gl.cdiv(end - start, prog.BLOCK_N)
-    first = start - base * prog.BLOCK_N  # where tile 0 would start: tile `base` is the piece's first
-    piece_prog = Program(prog.o_ptr, prog.lse_ptr, prog.topk_row, prog.pid_m, b, slot, seq_len, prog.num_heads,
-                         first, end, base + n_tiles, end >= start, prog.qk_scale, prog.out_scale, prog.stride_ob,
-                         prog.stride_os, prog.stride_ot, prog.stride_oh, prog.stride_lb, prog.stride_ls,
-                         prog.stride_lt, prog.stride_lh, prog.q_ptr, prog.stride_qb, prog.stride_qt, prog.stride_qh,
-                         prog.q_scale, prog.Q_LEN, prog.SPARSE, prog.N_ROWS, prog.BLOCK_N, prog.STAGES, prog.KV_FP8,
-                         prog.QUERY_IN_CONSUMER, prog.FENCE_SLOTS, prog.EVICT_LAST)
-    piece_src = KvSource(src.kv_ptr, pieces.block_table_ptr + b.to(gl.int64) * pieces.stride_btb, src.topk_row,
-                         seq_len, first, base + n_tiles, end, src.stride_kvp, src.stride_kvt, src.BLOCK_N,
-                         src.PAGE_SIZE, src.SPARSE, src.KV_FP8, src.DS_MLA)
-    return piece_prog, piece_src, n_tiles
 
 
 @gluon.jit
@@ -139,38 +114,32 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
 
 
 @gluon.jit
-def _score_piece(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 l_empty, prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr, base,
-                 k):
-    """The scorer's work on one piece (a program's split, or a persistent program's `k`-th piece), its tiles
-    numbered `base .. prog.n_tiles - 1`: the e4m3 query; per tile the scores, the online softmax and p with its
-    rescale factors into buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With
-    `TMA` it copies the first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise
-    every tile, by `cp.async`, `STAGES - 1` ahead. `SCORES_AHEAD` (with `TMA`): tile t's score MMAs run while tile
-    t - 1's softmax does."""
+def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
+                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr):
+    """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
+    buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
+    first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
+    `cp.async`, `STAGES - 1` ahead. `SCORES_AHEAD` (with `TMA`): tile t's score MMAs run while tile t - 1's
+    softmax does."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     AHEAD: gl.constexpr = ring.STAGES - 1  # tiles whose copies are in flight while one is scored
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     if TMA:  # halves, as the p @ v warpgroups copy them later: two arrivals a tile
-        for j in gl.static_range(ring.STAGES):
-            t = base + j
+        for t in gl.static_range(ring.STAGES):
             if t < prog.n_tiles:
-                slot = t % ring.STAGES
-                # a slot the previous piece's tiles used: free once the p @ v warpgroups have read it back
-                mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
                 if tma_reads(src, t):
-                    tma_tile(ring, src, t, ring.full_bars.index(slot), lat_desc, rope_desc, 0, 2, True)
-                    tma_tile(ring, src, t, ring.full_bars.index(slot), lat_desc, rope_desc, 2, 2, False)
+                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 0, 2, True)
+                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 2, 2, False)
                 else:
                     part_row, part_ok = _next_rows(src, t)
                     _fp8q_copy(ring, t, part_row, part_ok, True)
     else:
-        copy_row, copy_ok = _next_rows(src, base)
-        for j in gl.static_range(AHEAD):
-            _issue_copy(ring, base + j, copy_row, copy_ok)
-            copy_row, copy_ok = _next_rows(src, base + j + 1)
+        copy_row, copy_ok = _next_rows(src, 0)
+        for t in gl.static_range(AHEAD):
+            _issue_copy(ring, t, copy_row, copy_ok)
+            copy_row, copy_ok = _next_rows(src, t + 1)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -180,19 +149,19 @@ def _score_piece(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     l_i = gl.sum(gl.reshape(zero_s, [ROWS, 8, BLOCK_N // 8]), 1)  # each thread's part (`_softmax_to_p`)
     if TMA and SCORES_AHEAD:
         s_prev = zero_s
-        for t in range(base, prog.n_tiles):
+        for t in range(prog.n_tiles):
             _tma_landed(ring, src, t)
             s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s)
-            if t > base:  # the previous tile's softmax while this tile's score MMAs run
+            if t > 0:  # the previous tile's softmax while this tile's score MMAs run
                 m_i, l_i = _softmax_to_p(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
                                          alpha_smem, p_full, p_empty, prog, s_layout)
                 _partial_copy(ring, src, t - 1)
             s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
-        if prog.n_tiles > base:
+        if prog.n_tiles > 0:
             m_i, l_i = _softmax_to_p(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end,
                                      p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
     else:
-        for t in range(base, prog.n_tiles):
+        for t in range(prog.n_tiles):
             slot = t % ring.STAGES
             if TMA:
                 _tma_landed(ring, src, t)
@@ -205,43 +174,23 @@ def _score_piece(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                                      p_full, p_empty, prog, s_layout)
             if TMA:
                 _partial_copy(ring, src, t)
-    async_copy.wait_group(0)  # the copies past the range (none read memory) land before the slots are reused
+    async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
     l_i = gl.convert_layout(gl.sum(l_i, 1), rows_s)
-    mbarrier.wait(l_empty, (k & 1) ^ 1)  # the p @ v warpgroups have read the previous piece's sums
     l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
-    _partition_barrier()
     mbarrier.arrive(l_bar)
     _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s)
 
 
 @gluon.jit
-def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 l_empty, prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                 pieces):
-    """Warpgroup 0: `_score_piece` on the program's split, or on each of a persistent program's `pieces`."""
-    if pieces is None:
-        _score_piece(q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog,
-                     lat_desc, rope_desc, TMA, SCORES_AHEAD, 0, 0)
-    else:
-        base = 0
-        for i in range(pieces.first, pieces.last):
-            piece_prog, piece_src, n_tiles = _piece(pieces, i, base, prog, src)
-            _score_piece(q_lat, q_rope, ring, piece_src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                         l_empty, piece_prog, lat_desc, rope_desc, TMA, SCORES_AHEAD, base, i - pieces.first)
-            base += n_tiles
-
-
-@gluon.jit
-def _pv_piece(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog: Program,
-              HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, base, k):
-    """A p @ v warpgroup's work on one piece (tiles `base .. prog.n_tiles - 1`): per tile, latent columns
-    `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the token slot released, then p times them; at the end
-    those output columns."""
+def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
+             HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
+    """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
+    token slot released, then p times them; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 32])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
-    for t in range(base, prog.n_tiles):
+    for t in range(prog.n_tiles):
         slot, _phase = _full_slot(ring, t, False)
         _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
         fence_async_shared()
@@ -257,34 +206,16 @@ def _pv_piece(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_ba
         acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
-    mbarrier.wait(l_bar, k & 1)
+    mbarrier.wait(l_bar, 0)
     l_i = l_smem.load(rows_o)
-    _partition_barrier()
-    mbarrier.arrive(l_empty)
     _epilogue(acc, l_i, l_i, prog, o_layout, rows_o, HALF * 256, 256, False)
 
 
 @gluon.jit
-def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog: Program,
-             HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, pieces):
-    """A p @ v warpgroup: `_pv_piece` on the program's split, or on each of a persistent program's `pieces`."""
-    if pieces is None:
-        _pv_piece(ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog, HALF, src,
-                  lat_desc, rope_desc, TMA, 0, 0)
-    else:
-        base = 0
-        for i in range(pieces.first, pieces.last):
-            piece_prog, piece_src, n_tiles = _piece(pieces, i, base, prog, src)
-            _pv_piece(ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, piece_prog, HALF,
-                      piece_src, lat_desc, rope_desc, TMA, base, i - pieces.first)
-            base += n_tiles
-
-
-@gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, pieces=None):
+                   SCORES_AHEAD: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
-    (`PV_REGS` registers a thread) as workers; `pieces`: a persistent program's (None: the program's split)."""
+    (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     STAGES: gl.constexpr = prog.STAGES
     dtype: gl.constexpr = src.kv_ptr.dtype.element_ty
@@ -305,7 +236,6 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     p_full = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    l_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # with TMA, each p @ v warpgroup's copy of its half (the scorer's first tiles and partial tiles arrive twice)
         mbarrier.init(full_bars.index(i), count=2 if TMA else 1)
@@ -315,13 +245,12 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         mbarrier.init(p_full.index(i), count=1)
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
-    mbarrier.init(l_empty, count=2)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog,
-                        lat_desc, rope_desc, TMA, SCORES_AHEAD, pieces)),
-        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog, 0, src,
-                    lat_desc, rope_desc, TMA, pieces)),
-        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, l_empty, prog, 1, src,
-                    lat_desc, rope_desc, TMA, pieces))],
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                        lat_desc, rope_desc, TMA, SCORES_AHEAD)),
+        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
+                    rope_desc, TMA)),
+        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
+                    rope_desc, TMA))],
         [4, 4], [PV_REGS, PV_REGS])

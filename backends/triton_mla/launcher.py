@@ -23,13 +23,9 @@ def kv_cache_in_words(kv_cache: torch.Tensor) -> bool:
             and (kv_cache.stride(1) * size) % 4 == 0)
 
 
-def _destinations(out, lse, workspace: Workspace | None, splits: int, persistent: bool = False) -> tuple:
-    """(stage-1 output, its 4 strides, stage-1 LSE, its 4 strides): the split partials (`persistent`: indexed by
-    slot alone, request stride 0), or with one split the final outputs (split stride 0)."""
-    if persistent:
-        o_dst, l_dst = workspace.o_part, workspace.lse_part
-        return (o_dst, (0, o_dst.stride(0), o_dst.stride(1), o_dst.stride(2)),
-                l_dst, (0, l_dst.stride(0), l_dst.stride(1), l_dst.stride(2)))
+def _destinations(out, lse, workspace: Workspace | None, splits: int) -> tuple:
+    """(stage-1 output, its 4 strides, stage-1 LSE, its 4 strides): the split partials, or with one split the
+    final outputs (split stride 0)."""
     if splits > 1:
         o_dst, l_dst = workspace.o_part, workspace.lse_part
         return (o_dst, (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), o_dst.stride(3)),
@@ -83,7 +79,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         split_items = longest_split
     if params.split_per_request and sparse:
         raise ValueError("split_per_request sizes dense splits; a sparse request's length is its top-k")
-    o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits, params.persistent)
+    o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
     # FP8 tiles multiplied in fp16 with the bf16 query scaled by Q_FP16_SCALE first: the tl kernel where
     # params.fp16_math says so, the Hopper kernel always (an fp16 query needs no scale).
     fp16_math = kv_cast and q.dtype == torch.bfloat16 and (params.fp16_math or params.warp_specialized)
@@ -95,13 +91,10 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             *tk_strides, *o_strides, *l_strides, num_heads, topk, split_items)
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
     order = workspace.order if params.longest_first else None
-    grid = ((m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, splits, 1) if params.persistent
-            else (m_blocks, batch, splits))
+    grid = (m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, batch, splits)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
                   order_ptr=order, ORDERED=params.longest_first)
-    if params.persistent:
-        common.update(schedule_ptr=workspace.schedule, PERSISTENT=True)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
@@ -116,10 +109,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             DS_MLA=ds_mla,
             num_warps=params.num_warps, num_stages=params.num_stages,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
-    if params.persistent:
-        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
-                 split_table=workspace.split_table)
-    elif splits > 1:
+    if splits > 1:
         _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
                  lengths=seq_lens if params.longest_first else None, split_items=split_items)
     return compiled
@@ -140,21 +130,19 @@ def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:
 
 
 def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int,
-             lengths: torch.Tensor | None = None, split_items: int = 0,
-             split_table: torch.Tensor | None = None) -> None:
+             lengths: torch.Tensor | None = None, split_items: int = 0) -> None:
     """Stage 2: merge the split partials into `out` / `lse`; with `lengths` only each request's splits of
-    `split_items` that hold tokens (a `longest_first` launch runs no other); with `split_table` each request's
-    (first slot, count) of a persistent launch's partials (at most `splits`, its programs)."""
+    `split_items` that hold tokens (a `longest_first` launch runs no other)."""
     batch, q_len = out.shape[0], out.shape[1]
     _mla_combine_kernel[(q_len * num_heads, batch)](
         workspace.o_part, workspace.lse_part, out, lse,
         *o_strides, *l_strides,
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        num_heads, splits, split_table if split_table is not None else lengths, split_items,
+        num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
         SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE),
-        SPLITS_OF_LENGTHS=lengths is not None, SPLIT_TABLE=split_table is not None, num_warps=4,
+        SPLITS_OF_LENGTHS=lengths is not None, num_warps=4,
     )
 
 

@@ -5,19 +5,15 @@ are known (`balanced_splits`, in `prepare`; a dense launch then runs its splits 
 otherwise from the batch, rows and SMs over the block table's capacity (`choose_splits`, no host sync). Without
 lengths a dense launch sizes each request's splits on the device from its own length (`split_per_request`), so a
 CUDA graph captured for a wide block table follows every step's lengths. Either way
-`batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`). The wide FP8-query form, with
-the lengths known, runs persistent programs instead (`persistent_schedule`): one per SM and row block, each taking
-runs of the requests' tiles in turn, at most `batch + programs` partials.
+`batch x num_splits <= batch + 4 x SMs`, which bounds the workspace (`workspace.py`).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla import dispatch
-from mla_tune.backends.triton_mla.config import (
-    HOPPER_TOKEN_SPLIT_SHAPE, MAX_SPLITS, LaunchParams, Tile, packed_rows)
+from mla_tune.backends.triton_mla.config import MAX_SPLITS, LaunchParams, Tile, packed_rows
 from mla_tune.backends.triton_mla.dispatch import default_tile
 
 
@@ -115,65 +111,10 @@ def launch_order(lengths: list[int], *, split_items: int) -> list[int]:
     return [j << 16 | b for _, j, b in pieces]
 
 
-@dataclass(frozen=True)
-class PersistentSchedule:
-    """A persistent launch's work (`persistent_schedule`), as the kernel and the combine read it.
-
-    Attributes:
-        table: `programs + 1` offsets (program p runs pieces `table[p] .. table[p + 1] - 1`), then per piece
-            (request, partial slot, first token, end token); a piece's slot is its index.
-        split_table: per request (first partial slot, partial count): its pieces' slots are consecutive.
-        slots: the partial slots, one a piece.
-    """
-
-    table: list[int]
-    split_table: list[int]
-    slots: int
-
-
-def persistent_schedule(lengths: list[int], *, programs: int, block_n: int, piece_tiles: int) -> PersistentSchedule:
-    """Each request's tiles in turn, cut into runs so that every one of `programs` programs takes about the same
-    tiles plus `piece_tiles` a piece (what a piece costs beyond its tiles: the query, the pipeline's fill, the
-    partial), as FlashMLA's scheduler cuts the concatenated requests. An empty request gets one piece of no tiles
-    (it stores the zeros and the -inf LSE of its rows). The last program takes whatever the others left."""
-    tiles = [cdiv(n, block_n) for n in lengths]
-    payload = cdiv(sum(tiles) + piece_tiles * len(tiles), programs) + piece_tiles
-    offsets, pieces = [0], []
-    split_table = [0] * (2 * len(lengths))
-    request, done = 0, 0  # the next request, and its tiles already placed
-    for program in range(programs):
-        room = payload if program < programs - 1 else None
-        while request < len(lengths):
-            left = tiles[request] - done
-            fits = room is None or left + piece_tiles <= room
-            take = left if fits else max(room - piece_tiles, 0)
-            if take == 0 and not fits:
-                break
-            if done == 0:
-                split_table[2 * request] = len(pieces)
-            split_table[2 * request + 1] += 1
-            end = lengths[request] if take == left else (done + take) * block_n
-            pieces.append((request, len(pieces), done * block_n, end))
-            if take < left:
-                done += take
-                break
-            if room is not None:
-                room -= take + piece_tiles
-            request, done = request + 1, 0
-        offsets.append(len(pieces))
-    return PersistentSchedule([*offsets, *(v for piece in pieces for v in piece)], split_table, len(pieces))
-
-
 def m_blocks_of(params: LaunchParams | Tile, *, num_heads: int, q_len: int, sparse: bool) -> int:
     """Programs along the query axis of one request (grid dimension 0)."""
     rows = packed_rows(num_heads, q_len, sparse=sparse)
     return cdiv(rows, params.block_h) * (q_len if sparse else 1)
-
-
-def persistent_launch(tile: Tile, *, sparse: bool) -> bool:
-    """Whether `tile`, with the lengths known, launches persistent programs (`dispatch.FP8_QUERY_WIDE_PERSISTENT`)."""
-    return (not sparse and dispatch.FP8_QUERY_WIDE_PERSISTENT and tile.fp8_query
-            and tile.block_h >= HOPPER_TOKEN_SPLIT_SHAPE.block_h)
 
 
 def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_items: int, num_sms: int,
@@ -188,8 +129,6 @@ def params_from_tile(tile: Tile, *, num_heads: int, q_len: int, batch: int, max_
     """
     fixed = tile.launch_fields()
     m_blocks = m_blocks_of(tile, num_heads=num_heads, q_len=q_len, sparse=sparse)
-    if lengths is not None and persistent_launch(tile, sparse=sparse):
-        return LaunchParams(num_splits=max(1, num_sms // m_blocks), persistent=True, **fixed)
     if lengths is not None:
         splits, split_items = balanced_splits(lengths=lengths, m_blocks=m_blocks, num_sms=num_sms,
                                               per_sm=tile.per_sm, block_n=tile.block_n,

@@ -6,8 +6,7 @@ partials never exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 1
 batch 1). With one split the kernel writes `out`/`lse` directly and needs no partials. With `split_scores` every
 program also owns `2 x block_h x (block_n + 2)` 2-byte scratch elements (16.5 KiB for a 64 x 64 tile; about 22 MB
 at 128 heads and batch 128). A `longest_first` launch also keeps its order (`splits.launch_order`,
-4 bytes a program); a persistent one its schedule (`splits.persistent_schedule`: at most `batch + programs` pieces,
-each a partial slot, within the same bound).
+4 bytes a program).
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_tune.backends.triton_mla.config import D_LATENT, LaunchParams
-from mla_tune.backends.triton_mla import dispatch
-from mla_tune.backends.triton_mla.splits import launch_order, m_blocks_of, persistent_schedule
+from mla_tune.backends.triton_mla.splits import launch_order, m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import scratch_per_program
 
 
@@ -27,15 +25,12 @@ class Workspace:
     """Split partials: `o_part` fp32 `[batch, splits, q_len, heads, 512]`, `lse_part` fp32 `[..., heads]`
     (None with one split); `p_scratch`: the split_scores exchange slots (None without it); `order`: int32, the
     (request, split) each program runs (`splits.launch_order`, from the prepared lengths: a run on longer requests
-    would miss splits; None: the grid's own). A persistent launch: `o_part` `[slots, q_len, heads, 512]` (a slot a
-    piece), `schedule` and `split_table` (`splits.PersistentSchedule`'s, int32)."""
+    would miss splits; None: the grid's own)."""
 
     o_part: torch.Tensor | None
     lse_part: torch.Tensor | None
     p_scratch: torch.Tensor | None = None
     order: torch.Tensor | None = None
-    schedule: torch.Tensor | None = None
-    split_table: torch.Tensor | None = None
 
     @classmethod
     def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
@@ -43,9 +38,6 @@ class Workspace:
         """What a launch with `params` needs, allocated now (None if nothing); `seq_lens`: the requests' lengths,
         which a `longest_first` launch is ordered by (read on the host for such a launch only)."""
         o_part = lse_part = p_scratch = order = None
-        if params.persistent:
-            return cls._persistent(params, batch=batch, q_len=q_len, num_heads=num_heads, sparse=sparse,
-                                   device=device, seq_lens=seq_lens)
         if params.num_splits > 1:
             shape = (batch, params.num_splits, q_len, num_heads)
             o_part = torch.empty(*shape, D_LATENT, dtype=torch.float32, device=device)
@@ -63,19 +55,3 @@ class Workspace:
         if o_part is None and p_scratch is None and order is None:
             return None
         return cls(o_part, lse_part, p_scratch, order)
-
-    @classmethod
-    def _persistent(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
-                    device: torch.device, seq_lens: torch.Tensor | None) -> Workspace:
-        if seq_lens is None or sparse:
-            raise ValueError("a persistent launch is scheduled by its requests' lengths: dense, with lengths")
-        lengths = [int(n) for n in seq_lens.tolist()]
-        if len(lengths) != batch:
-            raise ValueError(f"a persistent launch needs one length a request: {len(lengths)} for batch {batch}")
-        schedule = persistent_schedule(lengths, programs=params.num_splits, block_n=params.block_n,
-                                       piece_tiles=dispatch.PERSISTENT_PIECE_TILES)
-        o_part = torch.empty(schedule.slots, q_len, num_heads, D_LATENT, dtype=torch.float32, device=device)
-        lse_part = torch.empty(schedule.slots, q_len, num_heads, dtype=torch.float32, device=device)
-        as_int32 = dict(dtype=torch.int32, device=device)
-        return cls(o_part, lse_part, schedule=torch.tensor(schedule.table, **as_int32),
-                   split_table=torch.tensor(schedule.split_table, **as_int32))

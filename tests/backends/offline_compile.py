@@ -42,15 +42,11 @@ def _signature(kernel, const: dict, pointers: dict, *, divisible_strides) -> tup
 
 
 def _order_pointer(const: dict, pointers: dict) -> None:
-    """The launch order's and the persistent schedule's pointers: int32 arrays with ORDERED / PERSISTENT, else the
-    constexpr None the launcher passes."""
-    for flag, name in (("ORDERED", "order_ptr"), ("PERSISTENT", "schedule_ptr")):
-        if flag not in const:  # a kernel without it (the tl kernel has no persistent launch)
-            continue
-        if const[flag]:
-            pointers[name] = "*i32"
-        else:
-            const[name] = None
+    """The launch order's pointer: an int32 array with ORDERED, else the constexpr None the launcher passes."""
+    if const.get("ORDERED"):
+        pointers["order_ptr"] = "*i32"
+    else:
+        const["order_ptr"] = None
 
 
 def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool,

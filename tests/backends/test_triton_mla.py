@@ -277,47 +277,12 @@ def _combine_of_lengths_case() -> dict:
     return {"nan": bool(out.isnan().any()), "max_err": err}
 
 
-def _combine_of_split_table_case() -> dict:
-    """`_mla_combine_kernel` with SPLIT_TABLE: a persistent launch's partials, indexed by slot alone, each request
-    merging its (first slot, count) of them; slots of no request hold NaN and must not be read."""
-    import triton
-
-    from mla_tune.backends.triton_mla import _interpreter
-    from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
-    from mla_tune.backends.triton_mla.splits import persistent_schedule
-
-    _interpreter.apply()
-    gen = torch.Generator().manual_seed(5)
-    lengths, programs, heads, d = [300, 64, 0, 65, 1000], 7, 3, 512
-    schedule = persistent_schedule(lengths, programs=programs, block_n=64, piece_tiles=1)
-    table = torch.tensor(schedule.split_table, dtype=torch.int32)
-    o_part = torch.randn(schedule.slots + 2, 1, heads, d, generator=gen)
-    lse_part = torch.randn(schedule.slots + 2, 1, heads, generator=gen)
-    o_part[schedule.slots:] = float("nan")
-    out, lse = torch.empty(len(lengths), 1, heads, d), torch.empty(len(lengths), 1, heads)
-    o_strides, l_strides = (0, *o_part.stride()[:3]), (0, *lse_part.stride())
-    _mla_combine_kernel[(heads, len(lengths))](
-        o_part, lse_part, out, lse, *o_strides, *l_strides, *out.stride()[:3], *lse.stride(),
-        heads, programs, table, 0, D_LATENT=d, BLOCK_S=triton.next_power_of_2(programs), SPLITS_AT_ONCE=2,
-        SPLIT_TABLE=True, num_warps=4)
-    err, counts = 0.0, []
-    for b in range(len(lengths)):
-        first, count = schedule.split_table[2 * b], schedule.split_table[2 * b + 1]
-        counts.append(count)
-        ref_lse = torch.logsumexp(lse_part[first:first + count].double(), dim=0)
-        ref = (torch.exp(lse_part[first:first + count].double() - ref_lse).unsqueeze(-1)
-               * o_part[first:first + count].double()).sum(0)
-        err = max(err, float((out[b].double() - ref).abs().max()), float((lse[b].double() - ref_lse).abs().max()))
-    return {"nan": bool(out.isnan().any()), "max_err": err, "counts": counts}
-
-
 def _worker() -> None:
     """Subprocess entry: run CPU_CASES under TRITON_INTERPRET=1, print JSON."""
     results = {name: _adapter_case(Problem(**kw), Shape(*shape), device="cpu")
                for name, (kw, shape) in ADAPTER_CASES.items()}
     results.update({name: _combine_case(*case) for name, case in COMBINE_CASES.items()})
     results["combine_of_lengths"] = _combine_of_lengths_case()
-    results["combine_of_split_table"] = _combine_of_split_table_case()
     for name, (kw, shape) in ORDER_CASES.items():
         results[name] = _order_case(Problem(**kw), Shape(*shape), device="cpu")
     for name, (kwargs, shape, lens, params, scale_tensor, *q_mult) in CPU_CASES.items():
@@ -342,12 +307,6 @@ def test_interpreted_combine_merges_the_splits_exactly(interpreted_results, case
 def test_interpreted_combine_merges_only_the_splits_a_length_holds(interpreted_results):
     result = interpreted_results["combine_of_lengths"]
     assert not result["nan"] and result["max_err"] < 1e-5, result
-
-
-def test_interpreted_combine_merges_a_persistent_launchs_slots_of_each_request(interpreted_results):
-    result = interpreted_results["combine_of_split_table"]
-    assert not result["nan"] and result["max_err"] < 1e-5, result
-    assert max(result["counts"]) > 1 and min(result["counts"]) == 1, "requests of one and of several pieces"
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES) + sorted(ADAPTER_CASES))
@@ -499,72 +458,6 @@ def test_a_longest_first_launch_needs_fixed_splits_and_the_lengths():
     workspace = Workspace.for_launch(params, batch=2, q_len=1, num_heads=3, sparse=False, device="cpu",
                                      seq_lens=torch.tensor([100, 0], dtype=torch.int32))
     assert workspace.order.tolist() == [0, 1 << 16, 1], "64 tokens of request 0, its last 36, request 1's split 0"
-
-
-def _schedule_runs(schedule, programs: int) -> list[list[tuple[int, int, int, int]]]:
-    """Each program's pieces (request, slot, first token, end token) of a `PersistentSchedule`."""
-    offsets, entries = schedule.table[:programs + 1], schedule.table[programs + 1:]
-    return [[tuple(entries[4 * i:4 * i + 4]) for i in range(offsets[p], offsets[p + 1])] for p in range(programs)]
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_a_persistent_schedule_covers_every_token_once_in_whole_tiles(seed):
-    import random
-
-    from mla_tune.backends.triton_mla.splits import cdiv, persistent_schedule
-
-    rng = random.Random(seed)
-    programs, block_n, piece_tiles = rng.choice([1, 3, 66, 132]), rng.choice([16, 64]), rng.randint(0, 5)
-    lengths = [rng.choice([0, 1, 17, 63, 64, 65, 1000, 4096, rng.randint(0, 20000)])
-               for _ in range(rng.randint(1, 40))]
-    schedule = persistent_schedule(lengths, programs=programs, block_n=block_n, piece_tiles=piece_tiles)
-    runs = _schedule_runs(schedule, programs)
-    pieces = [piece for run in runs for piece in run]
-    assert [slot for _, slot, _, _ in pieces] == list(range(schedule.slots)), "a slot a piece, in order"
-    assert schedule.slots <= len(lengths) + programs, "the workspace bound"
-    for b, n in enumerate(lengths):
-        mine = [(first, end, slot) for request, slot, first, end in pieces if request == b]
-        assert mine[0][0] == 0 and mine[-1][1] == n, "from the first token to the last"
-        assert all(a[1] == c[0] for a, c in zip(mine, mine[1:])), "back to back"
-        assert all(first % block_n == 0 and (first < end or n == 0) for first, end, _ in mine), "whole tiles"
-        assert schedule.split_table[2 * b:2 * b + 2] == [mine[0][2], len(mine)], "consecutive slots"
-    tiles = [sum(cdiv(end - first, block_n) + piece_tiles for _, _, first, end in run) for run in runs[:-1]]
-    payload = cdiv(sum(cdiv(n, block_n) for n in lengths) + piece_tiles * len(lengths), programs) + piece_tiles
-    assert max(tiles, default=0) <= payload, "no program but the last above the payload"
-
-
-def test_a_persistent_schedule_evens_out_ragged_requests():
-    # 64 heads, batch 64, ragged up to 16k on 132 SMs: the busiest program streams 83 tiles with its pieces,
-    # where the fixed splits' longest-first launch puts 89 on its busiest slot (both a tile a piece or program)
-    from mla_tune.backends.inputs import ragged_lengths
-    from mla_tune.backends.triton_mla.splits import cdiv, persistent_schedule
-
-    lengths = ragged_lengths(Shape(64, 16384), page_size=64, seed=64064)
-    schedule = persistent_schedule(lengths, programs=132, block_n=64, piece_tiles=1)
-    loads = [sum(cdiv(end - first, 64) + 1 for _, _, first, end in run) for run in _schedule_runs(schedule, 132)]
-    assert max(loads) <= 1.03 * sum(loads) / len(loads)
-
-
-def test_the_wide_fp8_query_form_runs_persistent_with_the_lengths_known():
-    from mla_tune.backends.triton_mla.config import HOPPER_FP8_QUERY_SHAPES, LaunchParams, hopper_tile
-    from mla_tune.backends.triton_mla.splits import params_from_tile
-    from mla_tune.backends.triton_mla.workspace import Workspace
-
-    wide = hopper_tile(HOPPER_FP8_QUERY_SHAPES[64]).replace(fp8_query=True)
-    shape = dict(num_heads=128, q_len=1, batch=3, max_items=4096, num_sms=132)
-    params = params_from_tile(wide, **shape, lengths=[4096, 100, 0])
-    assert params.persistent and params.num_splits == 66, "one program per SM and row block"
-    assert not params_from_tile(wide, **shape).persistent, "not without the lengths (no host sync)"
-    narrow = hopper_tile(HOPPER_FP8_QUERY_SHAPES[32]).replace(fp8_query=True)
-    assert not params_from_tile(narrow, **shape, lengths=[4096, 100, 0]).persistent
-    with pytest.raises(ValueError, match="persistent runs the wide FP8-query form only"):
-        LaunchParams(**narrow.launch_fields(), persistent=True)
-    with pytest.raises(ValueError, match="scheduled by its requests' lengths"):
-        Workspace.for_launch(params, batch=3, q_len=1, num_heads=128, sparse=False, device="cpu")
-    workspace = Workspace.for_launch(params, batch=3, q_len=1, num_heads=128, sparse=False, device="cpu",
-                                     seq_lens=torch.tensor([4096, 100, 0], dtype=torch.int32))
-    assert workspace.o_part.shape[1:] == (1, 128, 512) and workspace.o_part.shape[0] >= 3
-    assert workspace.split_table.tolist()[-2:] == [workspace.o_part.shape[0] - 1, 1], "the empty request's piece"
 
 
 def test_balanced_splits_keep_a_large_ragged_batch_within_a_tenth_of_its_work_per_sm():
