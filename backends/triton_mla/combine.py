@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -19,11 +20,12 @@ def _mla_combine_kernel(
     stride_lb, stride_lt, stride_lh,
     num_heads, num_splits, seq_lens_ptr, split_items,
     D_LATENT: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = 1,
-    SPLITS_OF_LENGTHS: tl.constexpr = False,
+    SPLITS_OF_LENGTHS: tl.constexpr = False, AFTER_STAGE1: tl.constexpr = False,
 ):
     """One (query token, head) row: the softmax-weighted sum of its splits' partials, `SPLITS_AT_ONCE` splits'
     partials loaded together (1: one split after the other). SPLITS_OF_LENGTHS: only the request's splits of
-    `split_items` that hold tokens were run (the others' partials are stale)."""
+    `split_items` that hold tokens were run (the others' partials are stale). AFTER_STAGE1: launched as stage 1's
+    programmatic dependent (SM90+), it waits for stage 1's writes before reading a partial."""
     row = tl.program_id(0)  # q_len * heads
     b = tl.program_id(1).to(tl.int64)
     if SPLITS_OF_LENGTHS:
@@ -32,6 +34,8 @@ def _mla_combine_kernel(
     h = row % num_heads
     offs_s = tl.arange(0, BLOCK_S)
     lse_base = lse_part_ptr + b * stride_qb + qi * stride_qt + h * stride_qh
+    if AFTER_STAGE1:
+        gdc_wait()
     lse_s = tl.load(lse_base + offs_s * stride_qs, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)

@@ -141,6 +141,9 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
+# On SM90+: the combine launched as stage 1's programmatic dependent, which every stage-1 program lets start at once,
+# so the combine's programs take the SMs stage 1 frees and wait there for its writes.
+COMBINE_AFTER_STAGE1 = True
 # The waves split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
 # With per-request lengths (prepare): how the split model schedules the programs, by "dense" / "sparse"

@@ -24,6 +24,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, hopper_smem_bytes)
@@ -57,7 +58,10 @@ def _mla_hopper_kernel(
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
     SCORES_AHEAD: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None,
+    LAUNCH_COMBINE_EARLY: gl.constexpr = False,
 ):
+    if LAUNCH_COMBINE_EARLY:  # the combine (its programmatic dependent) may start as SMs free up
+        gdc_launch_dependents()
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)

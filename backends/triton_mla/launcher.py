@@ -6,7 +6,9 @@ import torch
 import triton
 
 from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
-from mla_tune.backends.triton_mla.config import D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, is_ds_mla
+from mla_tune.backends.triton_mla import dispatch
+from mla_tune.backends.triton_mla.config import (
+    D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, cc_major, is_ds_mla)
 from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
 from mla_tune.backends.triton_mla.splits import m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
@@ -92,9 +94,11 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
     order = workspace.order if params.longest_first else None
     grid = (m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, batch, splits)
+    # the combine launched as stage 1's programmatic dependent (SM90+): its programs start as stage 1's free SMs
+    early_combine = splits > 1 and dispatch.COMBINE_AFTER_STAGE1 and (cc_major(q.device) or 0) >= 9
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
-                  order_ptr=order, ORDERED=params.longest_first)
+                  order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=early_combine)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
@@ -111,7 +115,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
     if splits > 1:
         _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
-                 lengths=seq_lens if params.longest_first else None, split_items=split_items)
+                 lengths=seq_lens if params.longest_first else None, split_items=split_items,
+                 after_stage1=early_combine)
     return compiled
 
 
@@ -130,9 +135,10 @@ def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:
 
 
 def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int,
-             lengths: torch.Tensor | None = None, split_items: int = 0) -> None:
+             lengths: torch.Tensor | None = None, split_items: int = 0, after_stage1: bool = False) -> None:
     """Stage 2: merge the split partials into `out` / `lse`; with `lengths` only each request's splits of
-    `split_items` that hold tokens (a `longest_first` launch runs no other)."""
+    `split_items` that hold tokens (a `longest_first` launch runs no other); `after_stage1`: launched as stage 1's
+    programmatic dependent, waiting in the kernel for stage 1's writes."""
     batch, q_len = out.shape[0], out.shape[1]
     _mla_combine_kernel[(q_len * num_heads, batch)](
         workspace.o_part, workspace.lse_part, out, lse,
@@ -142,7 +148,8 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
         num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
         SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE),
-        SPLITS_OF_LENGTHS=lengths is not None, num_warps=4,
+        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1, num_warps=4,
+        **({"launch_pdl": True} if after_stage1 else {}),
     )
 
 
@@ -152,7 +159,7 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     `ds_mla`: `kv_cache` is fp8_ds_mla rows (viewed as e4m3)."""
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
-    from mla_tune.backends.triton_mla import dispatch, hopper
+    from mla_tune.backends.triton_mla import hopper
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              splits=grid[2], tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)

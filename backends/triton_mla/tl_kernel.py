@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 @triton.constexpr_function
 def scratch_per_program(block_h, block_n):
@@ -407,7 +408,10 @@ def _mla_split_kernel(
     HOIST_PAGES: tl.constexpr = 0, FP16_MATH: tl.constexpr = False,
     p_scratch_ptr=None, SPLIT_SCORES: tl.constexpr = False, OPAQUE_V_CAST: tl.constexpr = False,
     DS_MLA: tl.constexpr = False, order_ptr=None, ORDERED: tl.constexpr = False,
+    LAUNCH_COMBINE_EARLY: tl.constexpr = False,
 ):
+    if LAUNCH_COMBINE_EARLY:  # the combine (its programmatic dependent) may start as SMs free up
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
