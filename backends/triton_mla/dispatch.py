@@ -144,6 +144,8 @@ COMBINE_SPLITS_AT_ONCE = 32
 # On SM90+: the combine launched as stage 1's programmatic dependent, which every stage-1 program lets start at once,
 # so the combine's programs take the SMs stage 1 frees and wait there for its writes.
 COMBINE_AFTER_STAGE1 = True
+COMBINE_EARLY_TRIGGER = True
+COMBINE_WARPS = 4
 # The waves split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
 # With per-request lengths (prepare): how the split model schedules the programs, by "dense" / "sparse"

@@ -98,7 +98,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     early_combine = splits > 1 and dispatch.COMBINE_AFTER_STAGE1 and (cc_major(q.device) or 0) >= 9
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
-                  order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=early_combine)
+                  order_ptr=order, ORDERED=params.longest_first,
+                  LAUNCH_COMBINE_EARLY=early_combine and dispatch.COMBINE_EARLY_TRIGGER)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
@@ -148,7 +149,7 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
         num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
         SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE),
-        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1, num_warps=4,
+        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1, num_warps=dispatch.COMBINE_WARPS,
         **({"launch_pdl": True} if after_stage1 else {}),
     )
 
