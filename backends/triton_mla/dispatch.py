@@ -142,10 +142,12 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
 # On SM90+: the combine launched as stage 1's programmatic dependent, which every stage-1 program lets start at once,
-# so the combine's programs take the SMs stage 1 frees and wait there for its writes.
+# where the SMs stage 1 leaves idle hold its programs at COMBINE_EARLY_PER_IDLE_SM or fewer each: they wait there for
+# stage 1's writes and run as soon as it ends (about 0.7 us less at shapes of 9-12 us). Where they would crowd onto a
+# few idle SMs and run there, they are launched after stage 1 as before (up to 3 us more otherwise; the launch as
+# a dependent without the early start was 0.5 us slower than none: bench/results/combine-launch-h200.txt).
 COMBINE_AFTER_STAGE1 = True
-COMBINE_EARLY_TRIGGER = True
-COMBINE_WARPS = 4
+COMBINE_EARLY_PER_IDLE_SM = 4
 # The waves split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
 # With per-request lengths (prepare): how the split model schedules the programs, by "dense" / "sparse"

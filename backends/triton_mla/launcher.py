@@ -8,7 +8,7 @@ import triton
 from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
 from mla_tune.backends.triton_mla import dispatch
 from mla_tune.backends.triton_mla.config import (
-    D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, cc_major, is_ds_mla)
+    D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, cc_major, is_ds_mla, sm_count)
 from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
 from mla_tune.backends.triton_mla.splits import m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
@@ -94,12 +94,10 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
     order = workspace.order if params.longest_first else None
     grid = (m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, batch, splits)
-    # the combine launched as stage 1's programmatic dependent (SM90+): its programs start as stage 1's free SMs
-    early_combine = splits > 1 and dispatch.COMBINE_AFTER_STAGE1 and (cc_major(q.device) or 0) >= 9
+    early_combine = splits > 1 and _early_combine(q, grid, q_len * num_heads * batch)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
-                  order_ptr=order, ORDERED=params.longest_first,
-                  LAUNCH_COMBINE_EARLY=early_combine and dispatch.COMBINE_EARLY_TRIGGER)
+                  order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=early_combine)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
@@ -119,6 +117,16 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  lengths=seq_lens if params.longest_first else None, split_items=split_items,
                  after_stage1=early_combine)
     return compiled
+
+
+def _early_combine(q: torch.Tensor, grid: tuple, combine_programs: int) -> bool:
+    """Whether the combine is launched as stage 1's programmatic dependent, started by every stage-1 program at once
+    (`dispatch.COMBINE_AFTER_STAGE1`): on SM90+, where the SMs stage 1's `grid` leaves idle hold the combine's
+    programs at `dispatch.COMBINE_EARLY_PER_IDLE_SM` or fewer each."""
+    if not dispatch.COMBINE_AFTER_STAGE1 or (cc_major(q.device) or 0) < 9:
+        return False
+    idle_sms = sm_count(q.device) - grid[0] * grid[1] * grid[2]
+    return combine_programs <= dispatch.COMBINE_EARLY_PER_IDLE_SM * idle_sms
 
 
 def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:
@@ -149,7 +157,7 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
         num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
         SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE),
-        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1, num_warps=dispatch.COMBINE_WARPS,
+        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1, num_warps=4,
         **({"launch_pdl": True} if after_stage1 else {}),
     )
 
