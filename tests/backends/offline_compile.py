@@ -86,6 +86,20 @@ def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, f
     return compiled.asm["ptx"]
 
 
+def combine_ptx(*, arch: int = 90, **flags) -> str:
+    """PTX for sm_`arch` of `_mla_combine_kernel` (q_len 1, up to 16 splits loaded 4 at a time) with these
+    constexprs."""
+    from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
+
+    const = _constexpr_defaults(_mla_combine_kernel)
+    const.update(D_LATENT=512, BLOCK_S=16, SPLITS_AT_ONCE=4, seq_lens_ptr=None, **flags)
+    pointers = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+    signature, attrs = _signature(_mla_combine_kernel, const, pointers, divisible_strides=lambda n: True)
+    compiled = triton.compile(ASTSource(_mla_combine_kernel, signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return compiled.asm["ptx"]
+
+
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program

@@ -703,6 +703,43 @@ def test_opaque_v_cast_reads_v_as_fp16_through_ldmatrix_trans_on_sm90():
     assert opaque.count("cvt.rn.f16x2.e4m3x2") > 0
 
 
+@pytest.mark.slow
+def test_stage1_lets_the_combine_start_early_and_the_combine_waits_for_its_writes():
+    # offline sm_90a compiles: with the early combine stage 1 (tl and Hopper kernels) issues
+    # griddepcontrol.launch_dependents, and the combine griddepcontrol.wait before it reads any partial
+    from offline_compile import combine_ptx, hopper_compile, kernel_ptx
+
+    tile = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+    assert "griddepcontrol.launch_dependents" in kernel_ptx(**tile, LAUNCH_COMBINE_EARLY=True)
+    assert "griddepcontrol" not in kernel_ptx(**tile)
+    assert "griddepcontrol.launch_dependents" in hopper_compile(kv="bf16", rows=64, qk1=True,
+                                                                LAUNCH_COMBINE_EARLY=True)[0]
+    waits = combine_ptx(AFTER_STAGE1=True)
+    assert waits.index("griddepcontrol.wait") < waits.index("ld.global"), "no partial read before the wait"
+    assert "griddepcontrol" not in combine_ptx()
+
+
+def test_the_combine_starts_early_only_where_stage1s_idle_sms_hold_its_programs(monkeypatch):
+    # SM90+ only, and only where the SMs stage 1's grid leaves idle hold the combine's programs at
+    # COMBINE_EARLY_PER_IDLE_SM or fewer each (crowded onto a few idle SMs they ran up to 3 us slower on an H200).
+    # No SM90 GPU here: its compute capability and SM count are what the launcher is told
+    from mla_tune.backends.triton_mla import dispatch, launcher
+
+    q = torch.empty(1)
+    monkeypatch.setattr(launcher, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launcher, "cc_major", lambda device: 9)
+    per_sm = dispatch.COMBINE_EARLY_PER_IDLE_SM
+    assert launcher._early_combine(q, (1, 8, 1), 124 * per_sm), "124 idle SMs"
+    assert not launcher._early_combine(q, (1, 8, 1), 124 * per_sm + 1)
+    assert not launcher._early_combine(q, (2, 66, 1), 1), "no idle SM"
+    assert launcher._early_combine(q, (1, 4, 2), 16)
+    monkeypatch.setattr(dispatch, "COMBINE_AFTER_STAGE1", False)
+    assert not launcher._early_combine(q, (1, 8, 1), 16)
+    monkeypatch.setattr(dispatch, "COMBINE_AFTER_STAGE1", True)
+    monkeypatch.setattr(launcher, "cc_major", lambda device: 8)
+    assert not launcher._early_combine(q, (1, 8, 1), 16), "programmatic dependent launch is SM90+"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("heads,page_size,block_h,topk", [(3, 16, 16, None), (16, 64, 16, None), (20, 16, 32, None),
