@@ -94,10 +94,13 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
     order = workspace.order if params.longest_first else None
     grid = (m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, batch, splits)
-    early_combine = splits > 1 and _early_combine(q, grid, q_len * num_heads * batch)
+    # stage 1 lets a combine start early wherever one follows (a no-op unless the combine is launched as its
+    # dependent), so that its build does not depend on the batch; the combine starts early by `_early_combine`
+    lets_combine_start = splits > 1 and _dependent_launches(q)
+    early_combine = lets_combine_start and _early_combine(q, grid, q_len * num_heads * batch)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
-                  order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=early_combine)
+                  order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=lets_combine_start)
     if params.warp_specialized:
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
@@ -119,11 +122,17 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     return compiled
 
 
+def _dependent_launches(q: torch.Tensor) -> bool:
+    """Whether the combine may be launched as stage 1's programmatic dependent (`dispatch.COMBINE_AFTER_STAGE1`,
+    SM90+)."""
+    return dispatch.COMBINE_AFTER_STAGE1 and (cc_major(q.device) or 0) >= 9
+
+
 def _early_combine(q: torch.Tensor, grid: tuple, combine_programs: int) -> bool:
     """Whether the combine is launched as stage 1's programmatic dependent, started by every stage-1 program at once
-    (`dispatch.COMBINE_AFTER_STAGE1`): on SM90+, where the SMs stage 1's `grid` leaves idle hold the combine's
-    programs at `dispatch.COMBINE_EARLY_PER_IDLE_SM` or fewer each."""
-    if not dispatch.COMBINE_AFTER_STAGE1 or (cc_major(q.device) or 0) < 9:
+    (`_dependent_launches`): where the SMs stage 1's `grid` leaves idle hold the combine's programs at
+    `dispatch.COMBINE_EARLY_PER_IDLE_SM` or fewer each."""
+    if not _dependent_launches(q):
         return False
     idle_sms = sm_count(q.device) - grid[0] * grid[1] * grid[2]
     return combine_programs <= dispatch.COMBINE_EARLY_PER_IDLE_SM * idle_sms
