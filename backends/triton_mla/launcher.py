@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
 from mla_tune.backends.triton_mla import dispatch
+from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
 from mla_tune.backends.triton_mla.config import (
     D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, cc_major, is_ds_mla, sm_count)
 from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
