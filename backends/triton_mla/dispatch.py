@@ -143,9 +143,9 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 COMBINE_SPLITS_AT_ONCE = 32
 # On SM90+: the combine launched as stage 1's programmatic dependent, which every stage-1 program lets start at once,
 # where the SMs stage 1 leaves idle hold its programs at COMBINE_EARLY_PER_IDLE_SM or fewer each: they wait there for
-# stage 1's writes and run as soon as it ends (about 0.7 us less at shapes of 9-12 us). Where they would crowd onto a
-# few idle SMs and run there, they are launched after stage 1 as before (up to 3 us more otherwise; the launch as
-# a dependent without the early start was 0.5 us slower than none: bench/results/combine-launch-h200.txt).
+# stage 1's writes and run as soon as it ends (0.5-0.7 us less at shapes of 9-12 us). Where they would crowd onto a
+# few idle SMs and run there, they are launched after stage 1 as before (up to 3.2 us more otherwise; the launch as
+# a dependent without the early start was 0.1-0.6 us slower than none: bench/results/combine-launch-h200.txt).
 COMBINE_AFTER_STAGE1 = True
 COMBINE_EARLY_PER_IDLE_SM = 4
 # The waves split model's cost of one split partial, in KV tokens of one program's time per packed query row.
@@ -253,12 +253,20 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
 
+# The FP8-query forms above 32 packed rows, by name: 32-row narrow blocks, the wide form with three slots, and with
+# four and the scores ahead.
+FP8_QUERY_FORMS = {"narrow": HOPPER_FP8_QUERY_SHAPES[32], "wide": HOPPER_FP8_QUERY_SHAPES[64],
+                   "ahead": HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE}
+
+
+def fp8_query_form_tile(form: str) -> Tile:
+    """The FP8-query tile of `form` (a key of FP8_QUERY_FORMS)."""
+    return hopper_tile(FP8_QUERY_FORMS[form]).replace(fp8_query=True)
+
+
 def other_fp8_query_forms(tile: Tile) -> list[Tile]:
-    """For more than 32 packed rows: the FP8-query tiles of the forms `tile` is not (wide with three slots, wide
-    with four and the scores ahead, 32-row narrow blocks)."""
-    shapes = (HOPPER_FP8_QUERY_SHAPES[64], HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, HOPPER_FP8_QUERY_SHAPES[32])
-    tiles = [hopper_tile(shape).replace(fp8_query=True) for shape in shapes]
-    return [t for t in tiles if t != tile]
+    """For more than 32 packed rows: the FP8-query tiles of the forms (FP8_QUERY_FORMS) `tile` is not."""
+    return [t for t in map(fp8_query_form_tile, FP8_QUERY_FORMS) if t != tile]
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from mla_tune.backends.inputs import make_inputs  # noqa: E402
 from mla_tune.backends.problem import DeviceSpec, Problem, Shape  # noqa: E402
 from mla_tune.backends.reference import mla_reference  # noqa: E402
+from mla_tune.backends.triton_mla.dispatch import FP8_QUERY_FORMS  # noqa: E402
 from test_triton_mla import _ramp_keys  # noqa: E402
 
 H100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
@@ -251,7 +252,7 @@ def _hopper() -> bool:
 
 
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the FP8-query form needs an SM90 GPU")
-FORMS = ("narrow", "wide", "ahead")  # above 32 packed rows (`_fp8_query_case`)
+FORMS = tuple(FP8_QUERY_FORMS)  # above 32 packed rows (`_fp8_query_case`)
 
 
 def _round_query_like_the_kernel(q: torch.Tensor) -> torch.Tensor:
@@ -272,9 +273,7 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
     narrow blocks ("narrow"), the wide form with three slots ("wide") or four and the scores ahead ("ahead"); None:
     the dispatch's choice."""
     from mla_tune.backends.triton_mla import mla_decode
-    from mla_tune.backends.triton_mla.config import (
-        HOPPER_FP8_QUERY_SHAPES, HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, hopper_tile)
-    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, fp8_query_tile
     from mla_tune.backends.triton_mla.splits import params_from_tile
 
     problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=page_size, q_len=q_len)
@@ -287,9 +286,7 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
     lengths = inputs.seq_lens.tolist()
     tile = fp8_query_tile(num_heads=heads, q_len=q_len, batch=shape.batch_size, max_items=max(max(lengths), 1))
     if form is not None:
-        shapes = {"narrow": HOPPER_FP8_QUERY_SHAPES[32], "wide": HOPPER_FP8_QUERY_SHAPES[64],
-                  "ahead": HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE}
-        tile = hopper_tile(shapes[form]).replace(fp8_query=True)
+        tile = fp8_query_form_tile(form)
     params = params_from_tile(tile, num_heads=heads, q_len=q_len,
                               batch=shape.batch_size, max_items=max(max(lengths), 1), sparse=False, lengths=lengths,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
