@@ -233,6 +233,14 @@ FP8_QUERY_WIDE_LONG_MIN_WORK = 1 << 22
 FP8_QUERY_WIDE_LONG_ITEMS = 4096
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
+# The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
+# program; the other FP8-query forms round their rows in each program. Stage 1 is launched as the rounding kernel's
+# programmatic dependent (FP8Q_ROUNDED_QUERY_PDL): its programs start (barriers, the first tiles' copies) while the
+# query is rounded and wait for it only before copying the rounded rows. H200 (fp8-query-wide-h200.txt 20): the
+# wide form 0.971x the time of rounding in each program (0.927-0.997), 0.967x an ordinary launch; every form's
+# query rounded before took 1.04x at 16-64 heads, where the narrow form's 16-32 rows round quickly.
+FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
+FP8Q_ROUNDED_QUERY_PDL = True
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
 # tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26

@@ -9,13 +9,29 @@ writes), `KvSource` (where its KV tiles come from) and `Ring` (the shared-memory
 # No `from __future__ import annotations`: the aggregates check their fields against real annotation types.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
+from triton.language.extra.cuda import gdc_wait
 
 ROWS = gl.constexpr(64)        # query rows per program in the 64-row forms: one wgmma M block
 LOAD_WARPS = gl.constexpr(4)   # a loader partition: one warpgroup
 E4M3_MAX = gl.constexpr(448.0)  # e4m3's largest finite value
+
+
+# Triton 3.9 renamed gl.thread_barrier to gl.barrier
+_GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
+# and async_copy.async_copy_global_to_shared to async_load (cp.async of a tensor of pointers into shared memory)
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@gluon.jit
+def _partition_barrier():
+    """The partition's threads meet, under either name Triton gives the barrier."""
+    if _GL_BARRIER:
+        gl.barrier()
+    else:
+        gl.thread_barrier()
 
 
 @gluon.constexpr_function
@@ -28,7 +44,7 @@ def _value(x):
 _PROGRAM_VALUES = ("o_ptr", "lse_ptr", "topk_row", "pid_m", "b", "split", "seq_len", "num_heads", "start", "end",
                    "n_tiles", "store_o", "qk_scale", "out_scale", "stride_ob", "stride_os", "stride_ot", "stride_oh",
                    "stride_lb", "stride_ls", "stride_lt", "stride_lh", "q_ptr", "stride_qb", "stride_qt", "stride_qh",
-                   "q_scale")
+                   "q_scale", "q_amax_ptr")
 
 
 @aggregate
@@ -65,6 +81,7 @@ class Program:
     stride_qt: base_value
     stride_qh: base_value
     q_scale: base_value
+    q_amax_ptr: base_value  # the FP8-query rows' scales when q_ptr is the rounded query (query_e4m3.py), else None
     Q_LEN: gl.constexpr
     SPARSE: gl.constexpr
     N_ROWS: gl.constexpr
@@ -78,8 +95,8 @@ class Program:
     @gluon.constexpr_function
     def __init__(self, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                  qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
-                 stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, Q_LEN, SPARSE, N_ROWS, BLOCK_N, STAGES,
-                 KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, EVICT_LAST):
+                 stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, q_amax_ptr, Q_LEN, SPARSE, N_ROWS, BLOCK_N,
+                 STAGES, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, EVICT_LAST):
         values = locals()
         for name in _PROGRAM_VALUES:
             setattr(self, name, _value(values[name]))
@@ -207,11 +224,20 @@ def _store_query(prog: Program, q_lat, q_rope, WARPS: gl.constexpr):
     fence_async_shared()
 
 
+# The rounded query's copy into shared memory: 16 bytes a thread, 8 lanes over a row's 128 latent bytes (its
+# 128-byte swizzle spreads them over all banks) or 8 lanes over 8 bytes each of the 64 rope bytes.
+_QUERY_LAT_COPY = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+_QUERY_ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+
 @gluon.jit
 def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
     """The query's rows, each times `448 / max |q_row|`, rounded to e4m3 into `q_lat` / `q_rope` by the 4 MMA warps
     (fenced for wgmma); returns `max |q_row| / 448` per row in `rows_layout` (1 for a row of zeros or past the
-    heads), the factor its scores take back."""
+    heads), the factor its scores take back. Where `prog.q_amax_ptr` is given the rows were rounded before the
+    launch (`query_e4m3.round_query`): they are copied as they are and the factors read."""
+    if prog.q_amax_ptr is not None:
+        return _copy_query_e4m3(prog, q_lat, q_rope, rows_layout)
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     # 128 columns at a time, read twice (the second read from cache), so that a thread holds 64 values, not 288
     rope = _load_query(prog, 512, layout, 64, True).to(gl.float32)
@@ -226,6 +252,35 @@ def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
         q_lat.slice(c * 128, 128, dim=1).store((lat * scale[:, None]).to(q_lat.dtype))
     fence_async_shared()
     return gl.convert_layout(amax / E4M3_MAX, rows_layout)
+
+
+@gluon.jit
+def _copy_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
+    """`_store_query_e4m3` from the rounded query: its rows (zeros past the heads) copied by `cp.async`, landed for
+    every thread of the partition and fenced for wgmma; their factors read from `prog.q_amax_ptr`. Waits for the
+    rounding kernel first, as stage 1 may be launched as its programmatic dependent."""
+    gdc_wait()
+    N_ROWS: gl.constexpr = q_lat.shape[0]
+    lat_row, lat_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_LAT_COPY), N_ROWS)
+    lat_cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _QUERY_LAT_COPY))
+    _cp_async(q_lat, lat_row[:, None] + lat_cols[None, :], mask=lat_ok[:, None])
+    rope_row, rope_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_ROPE_COPY), N_ROWS)
+    rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _QUERY_ROPE_COPY))
+    _cp_async(q_rope, rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
+    async_copy.commit_group()
+    qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_layout, prog.Q_LEN, prog.SPARSE, N_ROWS)
+    amax = gl.load(prog.q_amax_ptr + (prog.b * prog.Q_LEN + qi) * prog.num_heads + h, mask=ok, other=1.0)
+    async_copy.wait_group(0)
+    _partition_barrier()  # every thread's copies are in before this warpgroup's wgmma reads them
+    fence_async_shared()
+    return amax
+
+
+@gluon.jit
+def _query_rows(prog: Program, layout: gl.constexpr, N_ROWS: gl.constexpr):
+    """Pointers to the program's `N_ROWS` query rows and whether each is a row of the problem, in `layout`."""
+    qi, h, ok = _rows(prog.pid_m, prog.num_heads, layout, prog.Q_LEN, prog.SPARSE, N_ROWS)
+    return prog.q_ptr + prog.b.to(gl.int64) * prog.stride_qb + qi * prog.stride_qt + h * prog.stride_qh, ok
 
 
 @gluon.jit

@@ -24,26 +24,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 
-from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Program, Ring
+from mla_tune.backends.triton_mla.hopper_common import (
+    LOAD_WARPS, KvSource, Program, Ring, _partition_barrier)
 from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
 from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 
 
-# Triton 3.9 renamed gl.thread_barrier to gl.barrier
-_GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
-# and shared_memory_descriptor._reinterpret to reinterpret
+# Triton 3.9 renamed shared_memory_descriptor._reinterpret to reinterpret
 _REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 # and tma.async_copy_global_to_shared to async_load (a TMA copy of a descriptor's box into shared memory)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.jit
-def _partition_barrier():
-    """The partition's threads meet, under either name Triton gives the barrier."""
-    if _GL_BARRIER:
-        gl.barrier()
-    else:
-        gl.thread_barrier()
 
 
 # The layout in which a loader reads each copied 128-column block back for its v^T: 4 tokens x 16 columns a thread,

@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _rows, _store_lse, _store_query_e4m3, _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import (
-    _fp8q_copy, _next_rows, _partition_barrier, _store_v_t, tma_reads, tma_tile)
+    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
+    _tile_positions)
+from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, _store_v_t, tma_reads, tma_tile
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value

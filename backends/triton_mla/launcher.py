@@ -1,4 +1,5 @@
-"""The launcher: enqueues stage 1 (the tl kernel or the Hopper kernel) and the combine. No allocation, no sync."""
+"""The launcher: enqueues stage 1 (the tl kernel or the Hopper kernel) and the combine (the wide FP8-query form:
+the query's rounding first). No allocation, no sync."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from mla_tune.backends.triton_mla.combine import _mla_combine_kernel
 from mla_tune.backends.triton_mla.config import (
     D_LATENT, D_ROPE, DS_MLA_BYTES, HOPPER_MAXNREG, LaunchParams, cc_major, is_ds_mla, sm_count)
 from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
+from mla_tune.backends.triton_mla.query_e4m3 import round_query
 from mla_tune.backends.triton_mla.splits import m_blocks_of
 from mla_tune.backends.triton_mla.tl_kernel import Q_FP16_SCALE, _mla_split_kernel
 from mla_tune.backends.triton_mla.workspace import Workspace
@@ -82,6 +84,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if params.split_per_request and sparse:
         raise ValueError("split_per_request sizes dense splits; a sparse request's length is its top-k")
     o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
+    q_amax = None
+    if params.fp8_query and params.kernel_form in dispatch.FP8Q_ROUNDED_QUERY_FORMS:
+        if workspace is None or workspace.q8 is None:
+            raise ValueError("an fp8_query launch rounds its query into the workspace's q8 (Workspace.for_launch)")
+        round_query(q, workspace.q8, workspace.q_amax)
+        q, q_amax = workspace.q8, workspace.q_amax  # stage 1 copies the rounded rows
     # FP8 tiles multiplied in fp16 with the bf16 query scaled by Q_FP16_SCALE first: the tl kernel where
     # params.fp16_math says so, the Hopper kernel always (an fp16 query needs no scale).
     fp16_math = kv_cast and q.dtype == torch.bfloat16 and (params.fp16_math or params.warp_specialized)
@@ -105,7 +113,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         # per request, the longest split is a full block table's
         most = max(split_items, longest_split) if params.split_per_request else split_items
         compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params,
-                                  tiles=triton.cdiv(most, params.block_n), ds_mla=ds_mla)
+                                  tiles=triton.cdiv(most, params.block_n), ds_mla=ds_mla, q_amax=q_amax)
     else:
         compiled = _mla_split_kernel[grid](
             *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,
@@ -176,9 +184,10 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
 
 
 def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, params: LaunchParams, tiles: int,
-                   ds_mla: bool = False):
+                   ds_mla: bool = False, q_amax: torch.Tensor | None = None):
     """Stage 1 on the warp-specialised Hopper kernel (`hopper.py`); `tiles`: the most KV tiles a program has;
-    `ds_mla`: `kv_cache` is fp8_ds_mla rows (viewed as e4m3)."""
+    `ds_mla`: `kv_cache` is fp8_ds_mla rows (viewed as e4m3); `q_amax`: the FP8-query rows' scales, when `q` is
+    the query rounded by `query_e4m3.round_query`."""
     if not q.is_cuda:
         raise ValueError("warp_specialized runs on a CUDA GPU only (Gluon has no interpreter)")
     from mla_tune.backends.triton_mla import hopper
@@ -189,6 +198,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                    if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:
         form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1])
+    if q_amax is not None:
+        form.update(q_amax_ptr=q_amax, **({"launch_pdl": True} if dispatch.FP8Q_ROUNDED_QUERY_PDL else {}))
     return hopper._mla_hopper_kernel[grid](*args, **common, **form, num_warps=params.num_warps,
                                            maxnreg=HOPPER_MAXNREG)
 

@@ -104,7 +104,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
     (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile, `TMA_KV=True` with
-    it: its TMA copies), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs
+    it: its TMA copies; `ROUNDED_QUERY`: its query rounded before the launch or not, instead of as the dispatch says), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs
     `dispatch.hopper_constexprs` gives a one-split launch, then `overrides`."""
     import subprocess
     import tempfile
@@ -114,22 +114,29 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
     from mla_tune.backends.triton_mla.dispatch import (
-        HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs)
+        FP8Q_ROUNDED_QUERY_FORMS, HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs)
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launcher import tma_col_blocks
 
     ds_mla = kv == "fp8_ds_mla"
     fp8 = kv == "fp8" or ds_mla
     tma = overrides.pop("TMA_KV", False)
+    rounded_query = overrides.pop("ROUNDED_QUERY", None)
     tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128, max_items=16384) if overrides.get("FP8_QUERY")
             else HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows])
     params = LaunchParams(**tile.launch_fields())
+    if rounded_query is None:
+        rounded_query = params.fp8_query and params.kernel_form in FP8Q_ROUNDED_QUERY_FORMS
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
                  **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1, ds_mla=ds_mla))
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}
+    if rounded_query:  # the query rounded before the launch and its rows' scales (query_e4m3.round_query)
+        pointers.update(q_ptr="*fp8e4nv", q_amax_ptr="*fp32")
+    else:
+        const["q_amax_ptr"] = None
     _order_pointer(const, pointers)
     _kv_descriptors(const, pointers, params.block_n, page_size, tma, tma_col_blocks(params))
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import pytest
 
@@ -138,6 +139,83 @@ def test_kv_descriptors_are_none_where_tma_cannot_read_the_cache_that_way(cache)
     from mla_tune.backends.triton_mla.launcher import kv_descriptors
 
     assert kv_descriptors(cache(), 64) is None
+
+
+ROUNDING_CASES = {"h3-q2": (3, 2), "h64": (64, 1), "h20": (20, 1)}  # heads, q_len
+
+
+def _rounding_case(heads: int, q_len: int) -> dict:
+    """`round_query` against its torch reference: random rows at scales far apart, one row of zeros, a query that is
+    a view into a wider buffer (row strides that are not 576)."""
+    from mla_tune.backends.triton_mla.query_e4m3 import round_query, round_query_reference
+
+    gen = torch.Generator().manual_seed(3)
+    batch = 5
+    wide = torch.randn(batch, q_len, heads, 600, generator=gen) * torch.logspace(-3, 3, heads)[None, None, :, None]
+    q = wide[..., 7:583].to(torch.bfloat16)
+    q[1, 0, 0] = 0
+    q8 = torch.empty(batch, q_len, heads, 576, dtype=torch.float8_e4m3fn)
+    q_amax = torch.empty(batch, q_len, heads)
+    round_query(q, q8, q_amax)
+    ref8, ref_amax = round_query_reference(q)
+    scaled = q_amax != 1.0
+    got, want = q8.float(), ref8.float()
+    # Triton's interpreter emulates the e4m3 rounding from the first dropped bit alone (ties away from zero, not to
+    # even) and without its carry into the exponent (a value that rounds up to a power of two comes out as half of
+    # it); the GPU test below compares every byte the compiled kernel writes
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)
+    dropped_carry = got == torch.sign(want) * 2.0 ** torch.floor(torch.log2(want.abs() + step)) / 2
+    return {"e4m3_within_the_interpreters_rounding": bool((((got - want).abs() <= step) | dropped_carry).all()),
+            "amax_equal": bool(torch.equal(q_amax, ref_amax)), "zero_row_factor": float(q_amax[1, 0, 0]),
+            "row_max_448": bool((got.abs().amax(-1)[scaled] == 448.0).all())}
+
+
+def _worker() -> None:
+    """Subprocess entry: the CPU kernel cases under TRITON_INTERPRET=1, as one JSON line."""
+    import json
+
+    print(json.dumps({name: _rounding_case(*case) for name, case in ROUNDING_CASES.items()}))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    from interpreted import interpreted_worker
+
+    return interpreted_worker(__file__, timeout_s=600)
+
+
+@pytest.mark.parametrize("case", sorted(ROUNDING_CASES))
+def test_the_query_rounding_kernel_matches_torch_byte_for_byte(interpreted_results, case):
+    # the real Triton interpreter (the GPU test below runs it compiled); each row's largest magnitude rounds to
+    # e4m3's largest, a row of zeros keeps the factor 1
+    assert interpreted_results[case] == {"e4m3_within_the_interpreters_rounding": True, "amax_equal": True,
+                                         "zero_row_factor": 1.0, "row_max_448": True}
+
+
+def test_the_query_rounding_refuses_buffers_of_another_shape_or_type():
+    from mla_tune.backends.triton_mla.query_e4m3 import round_query
+
+    q = torch.zeros(2, 1, 4, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q8 must be"):
+        round_query(q, torch.empty(2, 1, 4, 576, dtype=torch.bfloat16), torch.empty(2, 1, 4))
+    with pytest.raises(ValueError, match="q_amax must be"):
+        round_query(q, torch.empty(2, 1, 4, 576, dtype=torch.float8_e4m3fn), torch.empty(2, 4))
+
+
+def test_a_wide_fp8_query_launch_keeps_its_rounded_query_in_the_workspace():
+    from mla_tune.backends.triton_mla import LaunchParams
+    from mla_tune.backends.triton_mla.workspace import Workspace
+
+    def workspace(block_h, **fields):
+        params = LaunchParams(block_h=block_h, block_n=64, num_warps=4, warp_specialized=True, num_splits=1,
+                              **fields)
+        return Workspace.for_launch(params, batch=3, q_len=2, num_heads=50, sparse=False, device="cpu")
+
+    ws = workspace(64, num_stages=3, fp8_query=True)
+    assert ws.o_part is None and ws.q8.shape == (3, 2, 50, 576) and ws.q8.dtype == torch.float8_e4m3fn
+    assert ws.q_amax.shape == (3, 2, 50) and ws.q_amax.is_contiguous()
+    # the narrow form rounds its rows in each program; the other forms multiply a 16-bit query
+    assert workspace(32, num_stages=3, fp8_query=True) is None and workspace(16, num_stages=2) is None
 
 
 def test_the_launcher_refuses_fp8_query_on_a_sparse_problem():
@@ -268,10 +346,10 @@ def _rel(a, b) -> float:
 
 
 def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0,
-                    kv_ramp=False, form=None) -> dict:
+                    kv_ramp=False, form=None, outputs=False) -> dict:
     """MLA_TUNE_TRITON_FP8Q's kernel on one case against the references; `form` (above 32 packed rows): force 32-row
     narrow blocks ("narrow"), the wide form with three slots ("wide") or four and the scores ahead ("ahead"); None:
-    the dispatch's choice."""
+    the dispatch's choice; `outputs`: the kernel's (out, lse) under "outputs" too."""
     from mla_tune.backends.triton_mla import mla_decode
     from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, fp8_query_tile
     from mla_tune.backends.triton_mla.splits import params_from_tile
@@ -311,6 +389,7 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
         "lse_magnitude": float(rq_lse[seen].abs().max()),
         "nan": bool(out.isnan().any() or lse.isnan().any()),
         "unseen_rows_ok": bool((out[~seen] == 0).all() and (lse[~seen] == -math.inf).all()),
+        **({"outputs": (out, lse)} if outputs else {}),
     }
 
 
@@ -366,6 +445,43 @@ def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("heads,q_len", [(20, 1), (3, 2), (64, 1), (128, 2)])
+def test_gpu_the_rounded_query_gives_what_rounding_in_each_program_gave(heads, q_len):
+    # the query rounded once before stage 1 (the forms in dispatch.FP8Q_ROUNDED_QUERY_FORMS) against each program
+    # rounding its own rows: the same e4m3 rows and scales, so the same bits out, in every form either way
+    from mla_tune.backends.triton_mla import dispatch
+    from mla_tune.backends.triton_mla.query_e4m3 import round_query, round_query_reference
+
+    lens = [1, 17, 5000, 777, 0, 3001]
+    forms = FORMS if heads * q_len > 32 else (None,)
+    for form in forms:
+        results = []
+        for rounded in (frozenset({"narrow", "fp8_query_wide"}), frozenset()):
+            saved, dispatch.FP8Q_ROUNDED_QUERY_FORMS = dispatch.FP8Q_ROUNDED_QUERY_FORMS, rounded
+            try:
+                results.append(_fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, form=form,
+                                               outputs=True))
+            finally:
+                dispatch.FP8Q_ROUNDED_QUERY_FORMS = saved
+        (out_a, lse_a), (out_b, lse_b) = results[0]["outputs"], results[1]["outputs"]
+        assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b), form
+        _assert_close(results[0])
+    q = torch.randn(4, q_len, heads, 576, device="cuda", dtype=torch.bfloat16) * 30
+    q[0, 0, 0] = 0
+    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    q_amax = torch.empty(q.shape[:3], device="cuda")
+    round_query(q, q8, q_amax)
+    ref8, ref_amax = round_query_reference(q)
+    # the kernel divides with PTX's div.full.f32 (within 2 ulp of torch's IEEE division), so a scale may differ in
+    # its last bit and move a value that lies on a rounding boundary by one e4m3 step
+    got, want = q8.float(), ref8.float()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)
+    assert torch.allclose(q_amax, ref_amax, rtol=2.5e-7, atol=0) and ((got - want).abs() <= step).all()
+    assert (got != want).float().mean() < 1e-3 and q_amax[0, 0, 0] == 1.0
+
+
+@pytest.mark.gpu
+@hopper_only
 def test_gpu_fp8_query_one_split_of_many_tiles_and_a_large_query():
     # 47 tiles in one program (the slots wrap their barrier phases), |q| ~ 3e4 (the per-row scale keeps it in e4m3's
     # range); scores of ~1e5 make the softmax follow the query's rounding (28 % from the float32 reference), so the
@@ -374,3 +490,7 @@ def test_gpu_fp8_query_one_split_of_many_tiles_and_a_large_query():
     for form in FORMS:
         r = _fp8_query_case(64, 1, 64, Shape(3, 3000), lens=[3000, 17, 2999], splits=1, q_mult=3e4, form=form)
         assert not r["nan"] and r["rel_err_rounded_q"] < 2e-2 and r["lse_err_rounded_q"] < 1e-2 * r["lse_magnitude"], r
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
