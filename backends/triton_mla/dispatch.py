@@ -226,11 +226,8 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 
 # The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this much work,
 # packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
-# each KV tile, which launch two to four times the programs. From FP8_QUERY_WIDE_LONG_MIN_WORK already where the
-# longest request has FP8_QUERY_WIDE_LONG_ITEMS tokens (at 1k-token requests the narrow blocks measured faster).
-FP8_QUERY_WIDE_MIN_WORK = 1 << 23
-FP8_QUERY_WIDE_LONG_MIN_WORK = 1 << 22
-FP8_QUERY_WIDE_LONG_ITEMS = 4096
+# each KV tile, which launch two to four times the programs.
+FP8_QUERY_WIDE_MIN_WORK = 1 << 22
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -248,15 +245,14 @@ FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
     """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form for up to 32 packed rows
-    (16 rows for up to 16); above, the wide form where the shape has FP8_QUERY_WIDE_MIN_WORK, or
-    FP8_QUERY_WIDE_LONG_MIN_WORK with requests of FP8_QUERY_WIDE_LONG_ITEMS (128 rows: two row blocks over each KV
-    tile; four slots and the scores a tile ahead from FP8_QUERY_WIDE_AHEAD_MIN_WORK), else 32-row narrow blocks."""
+    (16 rows for up to 16); above, the wide form where the shape has FP8_QUERY_WIDE_MIN_WORK (128 rows: two row
+    blocks over each KV tile; four slots and the scores a tile ahead from FP8_QUERY_WIDE_AHEAD_MIN_WORK), else
+    32-row narrow blocks."""
     rows = packed_rows(num_heads, q_len, sparse=False)
     work = rows * batch * max_items
     if rows > 32 and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
         return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
-    long_requests = work >= FP8_QUERY_WIDE_LONG_MIN_WORK and max_items >= FP8_QUERY_WIDE_LONG_ITEMS
-    wide = rows > 32 and (work >= FP8_QUERY_WIDE_MIN_WORK or long_requests)
+    wide = rows > 32 and work >= FP8_QUERY_WIDE_MIN_WORK
     bucket = 16 if rows <= 16 else 64 if wide else 32
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
