@@ -83,14 +83,18 @@ class PreparedTritonMLA:
         if self.copies is not None:
             self.copies.adopt(inputs)
 
-    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, inputs: DecodeInputs, *, combine_variants: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         kv_cache, kv_scale = inputs.kv_cache, inputs.kv_scale
         if self.copies is not None:
             kv_cache, kv_scale = self.copies.rows(inputs), None
         launch(inputs.q, kv_cache, inputs.block_table, inputs.seq_lens, self.out, self.lse,
-               sm_scale=inputs.sm_scale, kv_scale=kv_scale,
-               topk_indices=inputs.topk_indices, params=self.params, workspace=self.workspace)
+               sm_scale=inputs.sm_scale, kv_scale=kv_scale, topk_indices=inputs.topk_indices, params=self.params,
+               workspace=self.workspace, combine_variants=combine_variants)
         return self.out, self.lse
+
+    def prebuild(self, inputs: DecodeInputs) -> None:
+        """`run` once, also compiling the combine launch the tuner's real batch may take instead of this one's."""
+        self.run(inputs, combine_variants=True)
 
 
 class TritonMLA:

@@ -3,6 +3,8 @@ the query's rounding first). No allocation, no sync."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 
@@ -41,7 +43,7 @@ def _destinations(out, lse, workspace: Workspace | None, splits: int) -> tuple:
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
            sm_scale: float, kv_scale, topk_indices: torch.Tensor | None,
-           params: LaunchParams, workspace: Workspace | None):
+           params: LaunchParams, workspace: Workspace | None, combine_variants: bool = False):
     """Enqueue stage 1 (and the combine when `params.num_splits > 1`); no allocation, no sync.
 
     Returns the compiled stage-1 kernel (its `n_regs`, `n_spills`, `metadata`).
@@ -54,6 +56,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         out: `[batch, q_len, heads, 512]` in q's dtype (written).
         lse: fp32 `[batch, q_len, heads]` (written).
         kv_scale: None, a float, or a 0-d fp32 tensor on q's device.
+        combine_variants: also compile, without running, the combine's other launch (as stage 1's dependent or
+            not): the tuner's pre-build launches at batch 1, where `_early_combine` may choose otherwise.
     """
     batch, q_len, num_heads, _ = q.shape
     page_size = kv_cache.shape[1]
@@ -124,9 +128,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             num_warps=params.num_warps, num_stages=params.num_stages,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
     if splits > 1:
-        _combine(workspace, out, lse, o_strides, l_strides, num_heads=num_heads, splits=splits,
-                 lengths=seq_lens if params.longest_first else None, split_items=split_items,
-                 after_stage1=early_combine)
+        combine = dict(num_heads=num_heads, splits=splits, lengths=seq_lens if params.longest_first else None,
+                       split_items=split_items)
+        _combine(workspace, out, lse, o_strides, l_strides, **combine, after_stage1=early_combine)
+        if combine_variants and lets_combine_start:
+            _combine(workspace, out, lse, o_strides, l_strides, **combine, after_stage1=not early_combine,
+                     compile_only=True)
     return compiled
 
 
@@ -165,12 +172,15 @@ def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:
 
 
 def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads: int, splits: int,
-             lengths: torch.Tensor | None = None, split_items: int = 0, after_stage1: bool = False) -> None:
+             lengths: torch.Tensor | None = None, split_items: int = 0, after_stage1: bool = False,
+             compile_only: bool = False) -> None:
     """Stage 2: merge the split partials into `out` / `lse`; with `lengths` only each request's splits of
     `split_items` that hold tokens (a `longest_first` launch runs no other); `after_stage1`: launched as stage 1's
-    programmatic dependent, waiting in the kernel for stage 1's writes."""
+    programmatic dependent, waiting in the kernel for stage 1's writes; `compile_only`: compiled, not run."""
     batch, q_len = out.shape[0], out.shape[1]
-    _mla_combine_kernel[(q_len * num_heads, batch)](
+    grid = (q_len * num_heads, batch)
+    kernel = partial(_mla_combine_kernel.warmup, grid=grid) if compile_only else _mla_combine_kernel[grid]
+    kernel(
         workspace.o_part, workspace.lse_part, out, lse,
         *o_strides, *l_strides,
         out.stride(0), out.stride(1), out.stride(2),
