@@ -3,7 +3,8 @@
 Each query row is scaled so its largest magnitude is e4m3's largest (448), then rounded; `q_amax` keeps
 `max |q_row| / 448` (1 for a row of zeros), the factor the row's scores take back. Every program of the row's
 request then copies the rounded row (576 bytes) into shared memory instead of loading the bf16 row and rounding it
-again, which at a few tiles a program was a large part of its time (docs/kernels.md, "The rounded query").
+again, which at a few tiles a program was a large part of its time. Stage 1 is launched as this kernel's
+programmatic dependent and waits for it only before copying the rows (docs/kernels.md, the wide FP8-query form).
 """
 
 from __future__ import annotations
