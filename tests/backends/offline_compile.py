@@ -100,6 +100,19 @@ def combine_ptx(*, arch: int = 90, **flags) -> str:
     return compiled.asm["ptx"]
 
 
+def round_query_ptx(*, arch: int = 90, **flags) -> str:
+    """PTX for sm_`arch` of `query_e4m3._round_query_kernel` (bf16 rows of 576) with these constexprs."""
+    from mla_tune.backends.triton_mla.query_e4m3 import ROWS_PER_PROGRAM, _round_query_kernel
+
+    const = _constexpr_defaults(_round_query_kernel)
+    const.update(D_LATENT=512, D_ROPE=64, BLOCK_R=ROWS_PER_PROGRAM, **flags)
+    pointers = {"q_ptr": "*bf16", "q8_ptr": "*fp8e4nv", "amax_ptr": "*fp32"}
+    signature, attrs = _signature(_round_query_kernel, const, pointers, divisible_strides=lambda n: True)
+    compiled = triton.compile(ASTSource(_round_query_kernel, signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return compiled.asm["ptx"]
+
+
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program

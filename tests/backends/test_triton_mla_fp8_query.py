@@ -308,6 +308,20 @@ def _tma_copies(ptx: str) -> dict:
 
 
 @pytest.mark.slow
+def test_the_wide_forms_stage1_waits_for_the_rounding_kernel_that_lets_it_start():
+    # offline sm_90a compiles: the rounding kernel issues griddepcontrol.launch_dependents (on SM90+; the interpreter
+    # has none), and stage 1 on the rounded query one griddepcontrol.wait (before the scorer copies the rows)
+    from offline_compile import hopper_compile, round_query_ptx
+
+    assert "griddepcontrol.launch_dependents" in round_query_ptx(LAUNCH_DEPENDENTS=True)
+    assert "griddepcontrol" not in round_query_ptx()
+    rounded = hopper_compile(kv="fp8", rows=64, FP8_QUERY=True, TMA_KV=True, ROUNDED_QUERY=True)[0]
+    assert rounded.count("griddepcontrol.wait") == 1
+    assert "griddepcontrol" not in hopper_compile(kv="fp8", rows=64, FP8_QUERY=True, TMA_KV=True,
+                                                  ROUNDED_QUERY=False)[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("rows,page_size,boxes", [(64, 64, {"3d": 10, "2d": 5}), (64, 16, {"2d": 100}),
                                                    (32, 64, {"3d": 2, "2d": 2}), (16, 16, {"2d": 40})])
 def test_the_fp8_query_forms_copy_whole_tiles_by_tma(rows, page_size, boxes):
