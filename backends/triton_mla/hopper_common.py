@@ -21,8 +21,8 @@ E4M3_MAX = gl.constexpr(448.0)  # e4m3's largest finite value
 
 # Triton 3.9 renamed gl.thread_barrier to gl.barrier
 _GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
-# and async_copy.async_copy_global_to_shared to async_load (cp.async of a tensor of pointers into shared memory)
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# Triton 3.8 renamed `cp.async`'s builtin to async_load (3.9 removed the old name; 3.6-3.7 have only the old)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -263,10 +263,10 @@ def _copy_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
     N_ROWS: gl.constexpr = q_lat.shape[0]
     lat_row, lat_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_LAT_COPY), N_ROWS)
     lat_cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _QUERY_LAT_COPY))
-    _cp_async(q_lat, lat_row[:, None] + lat_cols[None, :], mask=lat_ok[:, None])
+    _async_load(q_lat, lat_row[:, None] + lat_cols[None, :], mask=lat_ok[:, None])
     rope_row, rope_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_ROPE_COPY), N_ROWS)
     rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _QUERY_ROPE_COPY))
-    _cp_async(q_rope, rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
+    _async_load(q_rope, rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
     async_copy.commit_group()
     qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_layout, prog.Q_LEN, prog.SPARSE, N_ROWS)
     amax = gl.load(prog.q_amax_ptr + (prog.b * prog.Q_LEN + qi) * prog.num_heads + h, mask=ok, other=1.0)

@@ -14,11 +14,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
-# Triton 3.8 renamed `cp.async`'s builtin to async_load (3.9 removed the old name; 3.6-3.7 have only the old)
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
 from mla_tune.backends.problem import DS_MLA_BYTES
-from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _tile_positions
+from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _async_load, _tile_positions
 
 DS_MLA_WORDS = gl.constexpr(DS_MLA_BYTES // 4)  # one fp8_ds_mla row in 32-bit words: 128 e4m3, 4 scales, 32 RoPE
 DS_MLA_MAX_SCALE = gl.constexpr(146.0)  # 448 x 146 = 65408: the largest group scale whose values fp16 holds

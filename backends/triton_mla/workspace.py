@@ -28,8 +28,8 @@ class Workspace:
     (None with one split); `p_scratch`: the split_scores exchange slots (None without it); `order`: int32, the
     (request, split) each program runs (`splits.launch_order`, from the prepared lengths: a run on longer requests
     would miss splits; None: the grid's own); `q8` / `q_amax`: the rounded query of a launch of a form in
-    `dispatch.FP8Q_ROUNDED_QUERY_FORMS`
-(`query_e4m3.round_query`), `[batch, q_len, heads, 576]` e4m3 and `[batch, q_len, heads]` fp32."""
+    `dispatch.FP8Q_ROUNDED_QUERY_FORMS` (`query_e4m3.round_query`), `[batch, q_len, heads, 576]` e4m3 and
+    `[batch, q_len, heads]` fp32."""
 
     o_part: torch.Tensor | None
     lse_part: torch.Tensor | None
