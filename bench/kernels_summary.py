@@ -4,12 +4,16 @@ For each kind of problem (dense or sparse, bf16 or FP8 cache) and each competito
 (FlashMLA, FlashAttention-3's MLA path), it gives the competitor's time over ours on every shape both passed
 the correctness gate: geometric mean, range, and the shapes where ours is slower. Issue goals: never slower,
 geometric mean at least 1.15. It also gives our kernel's fraction of the roofline (kernels.py's "frac") where
-the issue sets a bandwidth goal: batch >= 64 and kv_len >= 4096.
+the issue sets a bandwidth goal: batch >= 64 and kv_len >= 4096. With --ours naming several of our dense
+backends, "ours" is the faster of them at each shape (those of them that ran it), and the roofline fractions are
+given for each.
 
 CPU only; reads the text files kernels.py writes.
 
-Example:
+Examples:
     python3 bench/kernels_summary.py bench/results/kernels-h100-dense.txt bench/results/kernels-h100-sparse.txt
+    python3 bench/kernels_summary.py --ours MLA_TUNE_TRITON,MLA_TUNE_TRITON_FP8Q \
+        bench/results/kernels-h200-dense-fp8-ragged.txt
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
-OURS = {False: "MLA_TUNE_TRITON", True: "MLA_TUNE_TRITON_SPARSE"}
+OURS = {False: ("MLA_TUNE_TRITON",), True: ("MLA_TUNE_TRITON_SPARSE",)}
 COMPETITORS = {False: ("FLASHMLA", "FLASH_ATTN_MLA"), True: ("FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE")}
 GOAL_GEOMEAN = 1.15
 BANDWIDTH_MIN_BATCH = 64
@@ -62,16 +66,18 @@ def parse_rows(lines) -> list[Row]:
     return rows
 
 
-def ratios(rows: list[Row]) -> dict[tuple[str, str], dict[tuple, float]]:
-    """{(kind, competitor): {shape: competitor time / our time}} over shapes where both are correct and timed."""
+def ratios(rows: list[Row], ours_dense: tuple[str, ...] = OURS[False]) -> dict[tuple[str, str], dict[tuple, float]]:
+    """{(kind, competitor): {shape: competitor time / our time}} over shapes where both are correct and timed; our
+    time is the fastest of `ours_dense` (dense shapes) or of OURS[True] (sparse) that ran the shape."""
     by_shape = defaultdict(dict)
     for r in rows:
         by_shape[r.shape][r.backend] = r
     out = defaultdict(dict)
     for shape, backends in by_shape.items():
-        ours = backends.get(OURS[shape[4]])
-        if ours is None:
+        ran = [backends[name] for name in (OURS[True] if shape[4] else ours_dense) if name in backends]
+        if not ran:
             continue
+        ours = min(ran, key=lambda r: r.median_us)
         for name in COMPETITORS[shape[4]]:
             if name in backends:
                 out[(ours.kind, name)][shape] = backends[name].median_us / ours.median_us
@@ -83,11 +89,11 @@ def _label(shape: tuple) -> str:
     return f"h{heads} b{batch} kv{kv_len}"
 
 
-def ratio_table(rows: list[Row]) -> list[str]:
+def ratio_table(rows: list[Row], ours_dense: tuple[str, ...] = OURS[False]) -> list[str]:
     """Markdown: one line per (kind, competitor) with the geometric mean, range and the shapes ours loses."""
     lines = ["| kind | competitor | shapes | competitor / ours, geomean (range) | goal | shapes where ours is slower |",
              "|---|---|---|---|---|---|"]
-    for (kind, name), per_shape in sorted(ratios(rows).items()):
+    for (kind, name), per_shape in sorted(ratios(rows, ours_dense).items()):
         values = list(per_shape.values())
         geomean = math.exp(sum(math.log(v) for v in values) / len(values))
         losses = sorted((v, s) for s, v in per_shape.items() if v < 1.0)
@@ -98,25 +104,32 @@ def ratio_table(rows: list[Row]) -> list[str]:
     return lines
 
 
-def bandwidth_table(rows: list[Row]) -> list[str]:
-    """Markdown: our dense kernel's roofline fraction at batch >= 64, kv_len >= 4096, by cache dtype and heads."""
+def bandwidth_table(rows: list[Row], ours_dense: tuple[str, ...] = OURS[False]) -> list[str]:
+    """Markdown: each of our dense backends' roofline fraction at batch >= 64, kv_len >= 4096, by cache dtype and
+    heads (the backend named where there are several)."""
     fracs = defaultdict(list)
     for r in rows:
-        if (r.backend == OURS[False] and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
+        if (r.backend in ours_dense and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
                 and r.kv_len >= BANDWIDTH_MIN_KV_LEN):
-            fracs[(r.kv, r.heads)].append(r.frac)
+            fracs[(r.kv, r.heads, r.backend)].append(r.frac)
+    several = len(ours_dense) > 1
     lines = [f"| dense, batch >= {BANDWIDTH_MIN_BATCH}, kv_len >= {BANDWIDTH_MIN_KV_LEN} | heads | shapes "
              f"| ours: fraction of the roofline, median (min-max) |", "|---|---|---|---|"]
-    for (kv, heads), values in sorted(fracs.items()):
-        lines.append(f"| {kv} | {heads} | {len(values)} | {statistics.median(values):.2f} "
-                     f"({min(values):.2f}-{max(values):.2f}) |")
+    for (kv, heads, backend), values in sorted(fracs.items()):
+        lines.append(f"| {kv}{f' {backend}' if several else ''} | {heads} | {len(values)} "
+                     f"| {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f}) |")
     return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="kernels.py result files of one GPU")
+    p.add_argument("--ours", default=",".join(OURS[False]),
+                   help="our dense backends, comma-separated; several: the faster of them at each shape")
     args = p.parse_args(argv)
+    ours_dense = tuple(name for name in args.ours.split(",") if name)
+    if not ours_dense:
+        p.error("--ours names no backend")
     rows = []
     for path in args.files:
         try:
@@ -128,7 +141,7 @@ def main(argv=None) -> int:
     if not rows:
         print(f"error: no timed rows in {', '.join(args.files)}", file=sys.stderr)
         return 2
-    print("\n".join(ratio_table(rows) + [""] + bandwidth_table(rows)))
+    print("\n".join(ratio_table(rows, ours_dense) + [""] + bandwidth_table(rows, ours_dense)))
     return 0
 
 

@@ -70,6 +70,34 @@ def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
     assert summary.main([str(tmp_path / "missing.txt")]) == 2
 
 
+def test_summary_takes_the_faster_of_several_of_ours_at_each_shape(tmp_path):
+    bench, summary = load("kernels"), load("kernels_summary")
+    base = dict(kv="fp8_e4m3", heads=64, kv_len=4096, topk="-", ci_us=(1.0, 2.0), samples=5, vs_best=1.0,
+                rel_err=2e-3, checked="8/64", status="ok")
+    rows = []
+    # batch 64: the FP8-query backend is the faster (80 us); batch 128: only MLA_TUNE_TRITON ran (200 us)
+    for batch, times in ((64, {"MLA_TUNE_TRITON": 120.0, "MLA_TUNE_TRITON_FP8Q": 80.0, "FLASHMLA": 100.0}),
+                         (128, {"MLA_TUNE_TRITON": 200.0, "FLASHMLA": 180.0})):
+        for backend, us in times.items():
+            rows.append({**base, "batch": batch, "backend": backend, "median_us": us,
+                         "frac": 0.7 if backend.endswith("FP8Q") else 0.5})
+    path = tmp_path / "k.txt"
+    path.write_text("\n".join([bench.HEADER] + [bench.format_row(r) for r in rows]) + "\n")
+    parsed = summary.parse_rows(path.read_text().splitlines())
+    both = ("MLA_TUNE_TRITON", "MLA_TUNE_TRITON_FP8Q")
+    # sqrt(100 / 80 * 180 / 200) = 1.06
+    assert summary.ratio_table(parsed, both)[2] == \
+        "| dense FP8 | FLASHMLA | 2 | 1.06 (0.90-1.25) | missed | h64 b128 kv4096 0.90 |"
+    assert summary.ratio_table(parsed)[2] == "| dense FP8 | FLASHMLA | 2 | 0.87 (0.83-0.90) | missed | " \
+        "h64 b64 kv4096 0.83, h64 b128 kv4096 0.90 |"
+    assert summary.bandwidth_table(parsed, both)[2:] == ["| fp8_e4m3 MLA_TUNE_TRITON | 64 | 2 | 0.50 (0.50-0.50) |",
+                                                          "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.70 (0.70-0.70) |"]
+    assert summary.main(["--ours", ",".join(both), str(path)]) == 0
+    with pytest.raises(SystemExit) as exc:
+        summary.main(["--ours", "", str(path)])
+    assert exc.value.code == 2
+
+
 def test_forms_ab_switches_each_variants_dispatch_values_only_while_it_launches():
     ab = load("forms_ab")
     args = ab.parse_args(["--set", "L2_PREFETCH_FORMS={('qk1', 'fp8', 'dense')}", "--heads", "128",
