@@ -233,11 +233,18 @@ FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
 # program; the other FP8-query forms round their rows in each program. Stage 1 is launched as the rounding kernel's
 # programmatic dependent (FP8Q_ROUNDED_QUERY_PDL): its programs start (barriers, the first tiles' copies) while the
-# query is rounded and wait for it only before copying the rounded rows. H200 (fp8-query-wide-h200.txt 20): the
-# wide form 0.971x the time of rounding in each program (0.927-0.997), 0.967x an ordinary launch; every form's
-# query rounded before took 1.04x at 16-64 heads, where the narrow form's 16-32 rows round quickly.
+# query is rounded and wait for it only before copying the rounded rows. H200 (fp8-query-wide-h200.txt 20), 12
+# ragged shapes of 64/128 heads: 0.971x the time of rounding in each program (0.927-0.997 at the 10 that run the
+# wide form), 0.967x an ordinary launch; every form's query rounded before took 1.04x at 16-64 heads, where the
+# narrow form's 16-32 rows round quickly.
 FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 FP8Q_ROUNDED_QUERY_PDL = True
+
+
+def rounds_query_before(params: LaunchParams) -> bool:
+    """Whether a launch with `params` rounds its query before stage 1 (FP8Q_ROUNDED_QUERY_FORMS)."""
+    return params.fp8_query and params.kernel_form in FP8Q_ROUNDED_QUERY_FORMS
+
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
 # tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26

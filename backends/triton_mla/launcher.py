@@ -89,7 +89,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         raise ValueError("split_per_request sizes dense splits; a sparse request's length is its top-k")
     o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
     q_amax = None
-    if params.fp8_query and params.kernel_form in dispatch.FP8Q_ROUNDED_QUERY_FORMS:
+    if dispatch.rounds_query_before(params):
         if workspace is None or workspace.q8 is None:
             raise ValueError("an fp8_query launch rounds its query into the workspace's q8 (Workspace.for_launch)")
         round_query(q, workspace.q8, workspace.q_amax)
@@ -109,7 +109,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     # stage 1 lets a combine start early wherever one follows (a no-op unless the combine is launched as its
     # dependent), so that its build does not depend on the batch; the combine starts early by `_early_combine`
     lets_combine_start = splits > 1 and _dependent_launches(q)
-    early_combine = lets_combine_start and _idle_sms_hold(q, grid, q_len * num_heads * batch)
+    early_combine = splits > 1 and _early_combine(q, grid, q_len * num_heads * batch)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
                   order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=lets_combine_start)
@@ -147,14 +147,8 @@ def _early_combine(q: torch.Tensor, grid: tuple, combine_programs: int) -> bool:
     """Whether the combine is launched as stage 1's programmatic dependent, started by every stage-1 program at once
     (`_dependent_launches`): where the SMs stage 1's `grid` leaves idle hold the combine's programs at
     `dispatch.COMBINE_EARLY_PER_IDLE_SM` or fewer each."""
-    return _dependent_launches(q) and _idle_sms_hold(q, grid, combine_programs)
-
-
-def _idle_sms_hold(q: torch.Tensor, grid: tuple, combine_programs: int) -> bool:
-    """Whether the SMs stage 1's `grid` leaves idle hold `combine_programs` at `dispatch.COMBINE_EARLY_PER_IDLE_SM`
-    or fewer each."""
     idle_sms = sm_count(q.device) - grid[0] * grid[1] * grid[2]
-    return combine_programs <= dispatch.COMBINE_EARLY_PER_IDLE_SM * idle_sms
+    return _dependent_launches(q) and combine_programs <= dispatch.COMBINE_EARLY_PER_IDLE_SM * idle_sms
 
 
 def _check_ds_mla(params: LaunchParams, kv_cache: torch.Tensor) -> None:

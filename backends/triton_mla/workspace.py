@@ -28,7 +28,7 @@ class Workspace:
     (None with one split); `p_scratch`: the split_scores exchange slots (None without it); `order`: int32, the
     (request, split) each program runs (`splits.launch_order`, from the prepared lengths: a run on longer requests
     would miss splits; None: the grid's own); `q8` / `q_amax`: the rounded query of a launch of a form in
-    `dispatch.FP8Q_ROUNDED_QUERY_FORMS` (`query_e4m3.round_query`), `[batch, q_len, heads, 576]` e4m3 and
+    `dispatch.rounds_query_before` (`query_e4m3.round_query`), `[batch, q_len, heads, 576]` e4m3 and
     `[batch, q_len, heads]` fp32."""
 
     o_part: torch.Tensor | None
@@ -58,7 +58,7 @@ class Workspace:
             lengths = [int(n) for n in seq_lens.tolist()]
             order = torch.tensor(launch_order(lengths, split_items=params.split_items), dtype=torch.int32,
                                  device=device)
-        if params.fp8_query and params.kernel_form in dispatch.FP8Q_ROUNDED_QUERY_FORMS:
+        if dispatch.rounds_query_before(params):
             q8 = torch.empty(batch, q_len, num_heads, D_LATENT + D_ROPE, dtype=torch.float8_e4m3fn, device=device)
             q_amax = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=device)
         if o_part is None and p_scratch is None and order is None and q8 is None:

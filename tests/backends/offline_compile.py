@@ -127,7 +127,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
     from mla_tune.backends.triton_mla.dispatch import (
-        FP8Q_ROUNDED_QUERY_FORMS, HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs)
+        HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs, rounds_query_before)
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launcher import tma_col_blocks
 
@@ -139,7 +139,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
             else HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows])
     params = LaunchParams(**tile.launch_fields())
     if rounded_query is None:
-        rounded_query = params.fp8_query and params.kernel_form in FP8Q_ROUNDED_QUERY_FORMS
+        rounded_query = rounds_query_before(params)
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
                  **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1, ds_mla=ds_mla))
