@@ -239,6 +239,12 @@ FP8Q_TMA = True
 # narrow form's 16-32 rows round quickly.
 FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 FP8Q_ROUNDED_QUERY_PDL = True
+# The four-slot wide form's p @ v warpgroups take v^T as wgmma's register operand (o^T = v^T p^T), read from the
+# slot and transposed in registers, where the three-slot form stores it transposed in shared memory for p v (at 192
+# registers a p @ v thread, FP8_QUERY_WIDE_PV_REGS: 184 spilled in the loop). H200 (fp8-query-wide-h200.txt 24),
+# ragged: 0.82-1.01x the time at the 8 shapes from 2^25 (with FP8_QUERY_WIDE_AHEAD_MIN_WORK below), 0.82-0.90x
+# at 16k tokens; where every wide launch took it, 1.05-1.14x at 2^22-2^24, whose three slots keep the shared v^T.
+FP8Q_WIDE_V_IN_REGISTERS = True
 
 
 def rounds_query_before(params: LaunchParams) -> bool:
@@ -246,8 +252,10 @@ def rounds_query_before(params: LaunchParams) -> bool:
     return params.fp8_query and params.kernel_form in FP8Q_ROUNDED_QUERY_FORMS
 
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
-# tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a time.
-FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 26
+# tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD), with v^T in registers; below, three
+# slots, one tile at a time. From 2^24 (fp8-query-wide-h200.txt 24): 1.05 and 1.09x the time at 64 heads batch 16
+# kv 16k and batch 64 kv 4k, 0.84x at 128 heads batch 128 kv 1k.
+FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 25
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
@@ -336,14 +344,16 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     by_form = form in LOADER_AHEAD_FORMS and (max_tiles is None or (tiles is not None and tiles <= max_tiles))
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
     wide = form[0] == "fp8_query_wide"
+    scores_ahead = wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages
+    v_in_registers = scores_ahead and FP8Q_WIDE_V_IN_REGISTERS
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
-        MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
+        MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS[v_in_registers] if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages)
+        SCORES_AHEAD=scores_ahead, V_IN_REGISTERS=v_in_registers)

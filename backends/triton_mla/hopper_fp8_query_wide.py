@@ -12,14 +12,17 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 - two p @ v warpgroups each write their 256 of the tile's latent columns transposed into a v^T buffer of their own
   (8-bit wgmma takes only K-major operands; `hopper_fp8_query._store_v_t`'s read-back layout), release the token
   slot, and multiply p by them (`o += p v`); at the end they write those output columns with the scorer's row sums.
+  With four slots (`V_IN_REGISTERS`) they instead read those columns into registers and transpose them there, as
+  wgmma's register operand of `o^T = v^T p^T` (p^T is then the K-major shared operand it already is): no v^T
+  stores, no v^T buffers.
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
-warpgroup, once p of tile t is in (the scores have read its slot) and its own read-back is done, copies its half of
-tile `t + slots` into that slot (`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling
+warpgroup, once p of tile t is in (the scores have read its slot) and its own read-back is done (with v^T in
+registers: once its p @ v of tile t is), copies its half of tile `t + slots` into that slot (`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling
 `cp.async` copy. Otherwise the scorer copies every tile by `cp.async`, `slots - 1` ahead.
 
-Shared memory: the query (36 KiB), three or four token slots (36 KiB each), the two v^T halves (32 KiB), two p
-buffers (8 KiB).
+Shared memory: the query (36 KiB), three or four token slots (36 KiB each), the two v^T halves (32 KiB, not with
+four slots), two p buffers (8 KiB).
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
+# V_IN_REGISTERS: each p @ v warpgroup multiplies o^T = v^T p^T with v^T as wgmma's register operand, read from the
+# slot in `_V_T_LOAD_LAYOUT` (thread (warp w, lane 4g + q): tokens 4q + j + 16k, j and k < 4, of columns 64w + 8g to
+# 64w + 8g + 7, 8-byte loads) and transposed in registers (byte permutes), no v^T stores. Accumulator row
+# m = 64b + 16w + 8h + g holds latent column 64w + 8g + 2b + h: the rows wgmma gives thread (w, g) in its four M
+# blocks are then its own 8 columns.
+_V_T_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0], [32, 0]],
+    lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
+# that accumulator as `[rows, 256 columns]`, a thread's 8 adjacent columns first (vector stores)
+_O_T_STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
+    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
 
 
 @gluon.jit
@@ -182,6 +199,45 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
 
 
 @gluon.jit
+def _v_t_operand(k_lat, COL0: gl.constexpr, o_layout: gl.constexpr):
+    """Latent columns `COL0 .. COL0 + 255` of a slot (`[64 tokens, 512]`) as v^T, wgmma's register operand for
+    `o^T = v^T p^T`, its rows in `_V_T_LOAD_LAYOUT`'s order."""
+    x = k_lat.slice(COL0, 256, dim=1).load(_V_T_LOAD_LAYOUT).permute((1, 0))
+    x = gl.reshape(gl.reshape(x, [4, 8, 4, 2, 64]).permute((2, 0, 3, 1, 4)), [256, 64])
+    return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+
+
+@gluon.jit
+def _wide_pv_registers(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
+                       HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
+    """A p @ v warpgroup with v^T in registers (V_IN_REGISTERS): per tile, latent columns `256 HALF .. 256 HALF +
+    255` read into registers, the token slot released, then `o^T += v^T p^T`; at the end those output columns."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 32])
+    acc = gl.zeros([256, ROWS], gl.float32, o_layout)
+    for t in range(prog.n_tiles):
+        buf = t % P_BUFFERS
+        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
+        acc = acc * alpha_smem.index(buf).load(gl.SliceLayout(0, o_layout))[None, :]
+        slot, _phase = _full_slot(ring, t, False)
+        v_t = _v_t_operand(ring.k_lat.index(slot), HALF * 256, o_layout)
+        _partition_barrier()  # every thread's reads are done before the slot is released
+        mbarrier.arrive(ring.empty_bars.index(slot))
+        acc = warpgroup_mma(v_t, p_smem.index(buf).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_empty.index(buf))
+        if TMA:  # this half of tile t + STAGES into the slot, which the scores and these reads are done with
+            if tma_reads(src, t + ring.STAGES):
+                tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
+                         HALF == 0)
+    mbarrier.wait(l_bar, 0)
+    out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, ROWS]).permute((4, 1, 3, 0, 2)), [ROWS, 256])
+    out = gl.convert_layout(out, _O_T_STORE_LAYOUT)
+    l_i = l_smem.load(gl.SliceLayout(1, _O_T_STORE_LAYOUT))
+    _epilogue(out, l_i, l_i, prog, _O_T_STORE_LAYOUT, gl.SliceLayout(1, _O_T_STORE_LAYOUT), HALF * 256, 256, False)
+
+
+@gluon.jit
 def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
              HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
@@ -213,7 +269,7 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False):
+                   SCORES_AHEAD: gl.constexpr = False, V_IN_REGISTERS: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -226,8 +282,6 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     q_rope = gl.allocate_shared_memory(dtype, [ROWS, 64], narrow_layout)
     k_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 512], lat_layout)
     k_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64], narrow_layout)
-    v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
-    v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
     p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, ROWS, BLOCK_N], narrow_layout)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, ROWS], vector_layout)
     l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], vector_layout)
@@ -246,6 +300,18 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
+    if V_IN_REGISTERS:
+        gl.warp_specialize([
+            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                            lat_desc, rope_desc, TMA, SCORES_AHEAD)),
+            (_wide_pv_registers, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
+                                  rope_desc, TMA)),
+            (_wide_pv_registers, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
+                                  rope_desc, TMA))],
+            [4, 4], [PV_REGS, PV_REGS])
+        return
+    v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
+    v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
                         lat_desc, rope_desc, TMA, SCORES_AHEAD)),

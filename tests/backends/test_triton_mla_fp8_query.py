@@ -65,13 +65,14 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above
         tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
     # rows x batch x the longest request: 64 heads from batch 64 at 1k tokens, 16 at 4k and 4 at 16k, 128 heads
-    # from batch 8 at 4k; four slots and the scores ahead from 64 heads at batch 64, 16k tokens
+    # from batch 8 at 4k; four slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens)
     work = FP8_QUERY_WIDE_MIN_WORK
     for heads, batch, max_items, rows, slots in (
             (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3), (64, 4, 16384, 64, 3),
             (64, 8, 4096, 32, 3), (64, 32, 2048, 64, 3), (64, 16, 2048, 32, 3), (128, 4, 16384, 64, 3), (128, 8, 4096, 64, 3),
             (128, 4, 4096, 32, 3), (128, 16, 1024, 32, 3), (128, 1, work // 128, 64, 3), (32, 128, 16384, 32, 3),
-            (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 3)):
+            (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 4), (64, 16, 16384, 64, 3),
+            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
         assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
     # the dispatch gives it whatever the shape; the tuner's refinement also times the other form above 32 rows,
@@ -276,27 +277,42 @@ def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(row
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q_len,slots", [(1, 3), (2, 3), (1, 4)])
+@pytest.mark.parametrize("q_len,slots", [(1, 3), (2, 3), (1, 4), (2, 4)])
 def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_len, slots):
     from offline_compile import hopper_compile
 
+    from mla_tune.backends.triton_mla.config import FP8_QUERY_WIDE_PV_REGS
     from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
 
+    # with four slots (and the scores ahead) the p @ v warpgroups take v^T as their register operand
+    v_in_registers = slots == 4
     ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True, TMA_KV=True, STAGES=slots,
-                                       SCORES_AHEAD=slots == 4)
-    # the scorer: 2 + 16 k-steps of m64n64k32 (rope, latent) a tile; each p @ v warpgroup: 2 k-steps of m64n256k32
+                                       SCORES_AHEAD=slots == 4, V_IN_REGISTERS=v_in_registers,
+                                       MMA_REGS=FP8_QUERY_WIDE_PV_REGS[v_in_registers])
+    # the scorer: 2 + 16 k-steps of m64n64k32 (rope, latent) a tile, the query from shared memory; each p @ v
+    # warpgroup: 2 k-steps of m64n256k32 on its v^T in shared memory, or 4 M blocks x 2 k-steps of m64n64k32 with
+    # v^T's four 32-bit registers of e4m3 as the A operand
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
-    assert sorted(set(mmas)) == [("m64n256k32", "e4m3", "e4m3"), ("m64n64k32", "e4m3", "e4m3")], mmas[:3]
-    assert mmas.count(("m64n64k32", "e4m3", "e4m3")) == 18 and mmas.count(("m64n256k32", "e4m3", "e4m3")) == 4
+    register_a = re.findall(r"wgmma\.mma_async[^\n]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)
+    if v_in_registers:
+        assert set(mmas) == {("m64n64k32", "e4m3", "e4m3")} and len(mmas) == 18 + 2 * 8, mmas[:3]
+        assert len(register_a) == 2 * 8
+    else:
+        assert sorted(set(mmas)) == [("m64n256k32", "e4m3", "e4m3"), ("m64n64k32", "e4m3", "e4m3")], mmas[:3]
+        assert mmas.count(("m64n64k32", "e4m3", "e4m3")) == 18 and mmas.count(("m64n256k32", "e4m3", "e4m3")) == 4
+        assert not register_a
     # whole tiles go by TMA, as two 3-d boxes of half the latent columns and a 2-d one of the rope: the scorer
     # copies the first `slots` tiles, each p @ v warpgroup its half of every later one (the first with the rope);
-    # the scorer copies a partial tile by cp.async; each p @ v warpgroup stores its 256 columns of v^T with stmatrix
+    # the scorer copies a partial tile by cp.async; each p @ v warpgroup stores its 256 columns of v^T with
+    # stmatrix, unless they are its registers
     assert _tma_copies(ptx) == {"3d": 2 * slots + 2, "2d": slots + 1} and "cp.async.cg.shared.global" in ptx
-    assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == 16
+    assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == (0 if v_in_registers else 16)
     # 12 warps at 168 registers: the p @ v warpgroups' 128-register accumulators fit
     assert re.search(r"\.maxnreg 168", ptx) and ".reqntid 384" in ptx
-    assert hopper_smem_bytes(block_n=64, stages=slots, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
-    # at most 8 bytes with Triton 3.6 (what the GPU runs); about 600 bytes with 3.9
+    assert hopper_smem_bytes(block_n=64, stages=slots, rows=64, fp8_query=True,
+                             v_in_registers=v_in_registers) <= smem <= 227 * 1024, smem
+    # Triton 3.6 (what the GPU runs): at most 8 bytes with v^T in shared memory, 12 (in the epilogue) in registers;
+    # about 600 bytes with 3.9
     assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 640, report
 
 
