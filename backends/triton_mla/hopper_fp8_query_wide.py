@@ -217,12 +217,12 @@ def _wide_pv_registers(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, 
     acc = gl.zeros([256, ROWS], gl.float32, o_layout)
     for t in range(prog.n_tiles):
         buf = t % P_BUFFERS
-        slot, _phase = _full_slot(ring, t, False)  # v^T read while the scorer works on p
+        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
+        acc = acc * alpha_smem.index(buf).load(gl.SliceLayout(0, o_layout))[None, :]
+        slot, _phase = _full_slot(ring, t, False)
         v_t = _v_t_operand(ring.k_lat.index(slot), HALF * 256, o_layout)
         _partition_barrier()  # every thread's reads are done before the slot is released
         mbarrier.arrive(ring.empty_bars.index(slot))
-        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
-        acc = acc * alpha_smem.index(buf).load(gl.SliceLayout(0, o_layout))[None, :]
         acc = warpgroup_mma(v_t, p_smem.index(buf).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
