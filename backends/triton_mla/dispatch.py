@@ -256,16 +256,19 @@ def rounds_query_before(params: LaunchParams) -> bool:
 # slots, one tile at a time. From 2^24 (fp8-query-wide-h200.txt 24): 1.05 and 1.09x the time at 64 heads batch 16
 # kv 16k and batch 64 kv 4k, 0.84x at 128 heads batch 128 kv 1k.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 25
+# and from this many packed rows: at 32 heads from batch 64 at 16k tokens the four-slot form took 0.86 and 0.83x the
+# time of 32-row narrow programs (fp8-query-wide-h200.txt 25); below 2^25 the three-slot form was no faster there
+FP8_QUERY_WIDE_AHEAD_MIN_ROWS = 32
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
     """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form for up to 32 packed rows
     (16 rows for up to 16); above, the wide form where the shape has FP8_QUERY_WIDE_MIN_WORK (128 rows: two row
-    blocks over each KV tile; four slots and the scores a tile ahead from FP8_QUERY_WIDE_AHEAD_MIN_WORK), else
-    32-row narrow blocks."""
+    blocks over each KV tile), else 32-row narrow blocks; from FP8_QUERY_WIDE_AHEAD_MIN_WORK and 32 rows
+    (FP8_QUERY_WIDE_AHEAD_MIN_ROWS), the wide form with four slots and the scores a tile ahead."""
     rows = packed_rows(num_heads, q_len, sparse=False)
     work = rows * batch * max_items
-    if rows > 32 and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
+    if rows >= FP8_QUERY_WIDE_AHEAD_MIN_ROWS and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
         return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
     wide = rows > 32 and work >= FP8_QUERY_WIDE_MIN_WORK
     bucket = 16 if rows <= 16 else 64 if wide else 32
@@ -284,7 +287,7 @@ def fp8_query_form_tile(form: str) -> Tile:
 
 
 def other_fp8_query_forms(tile: Tile) -> list[Tile]:
-    """For more than 32 packed rows: the FP8-query tiles of the forms (FP8_QUERY_FORMS) `tile` is not."""
+    """For 32 or more packed rows: the FP8-query tiles of the forms (FP8_QUERY_FORMS) `tile` is not."""
     return [t for t in map(fp8_query_form_tile, FP8_QUERY_FORMS) if t != tile]
 
 
@@ -293,14 +296,14 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
                     fp8_query: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
     at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows; FP8-query: all three of its
-    forms above 32 rows), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
+    forms from 32 rows), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
     `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) > 32:
+    if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) >= FP8_QUERY_WIDE_AHEAD_MIN_ROWS:
         family += other_fp8_query_forms(default)
     if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query forms are refined in their splits
         if default.warp_specialized:

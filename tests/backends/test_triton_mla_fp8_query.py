@@ -56,37 +56,39 @@ def test_every_hopper_form_runs_12_warps_as_its_maxnreg_assumes():
     assert sorted(HOPPER_FP8_QUERY_SHAPES) == [16, 32, 64]
 
 
-def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_above_with_enough_work():
+def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_enough_work():
     from mla_tune.backends.triton_mla.dispatch import FP8_QUERY_WIDE_MIN_WORK, fp8_query_tile
 
     big = dict(batch=128, max_items=16384)
-    for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (32, 1, 32), (33, 1, 64),
+    for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (32, 1, 64), (33, 1, 64),
                                (20, 2, 64), (64, 1, 64), (128, 2, 64)):
         tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
     # rows x batch x the longest request: 64 heads from batch 64 at 1k tokens, 16 at 4k and 4 at 16k, 128 heads
-    # from batch 8 at 4k; four slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens)
+    # from batch 8 at 4k; four slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens), and so from 32
+    # rows (32 heads from batch 64 at 16k tokens)
     work = FP8_QUERY_WIDE_MIN_WORK
     for heads, batch, max_items, rows, slots in (
             (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3), (64, 4, 16384, 64, 3),
             (64, 8, 4096, 32, 3), (64, 32, 2048, 64, 3), (64, 16, 2048, 32, 3), (128, 4, 16384, 64, 3), (128, 8, 4096, 64, 3),
-            (128, 4, 4096, 32, 3), (128, 16, 1024, 32, 3), (128, 1, work // 128, 64, 3), (32, 128, 16384, 32, 3),
+            (128, 4, 4096, 32, 3), (128, 16, 1024, 32, 3), (128, 1, work // 128, 64, 3), (32, 128, 4096, 32, 3),
             (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 4), (64, 16, 16384, 64, 3),
-            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3)):
+            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (32, 32, 16384, 32, 3),
+            (20, 128, 16384, 32, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
         assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
     # the dispatch gives it whatever the shape; the tuner's refinement also times the other form above 32 rows,
     # and otherwise varies its splits only
     from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
 
-    for heads, batch, other in ((64, 128, 32), (64, 1, 64), (32, 128, None)):
+    for heads, batch, other in ((64, 128, 32), (64, 1, 64), (32, 128, 64), (20, 128, None)):
         facts = dict(num_heads=heads, q_len=1, batch=batch, max_items=16384, kv_fp8=True, cc_major=9)
         default = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=16384)
         assert default_tile(**facts, fp8_query=True) == default
         tiles = candidate_tiles(**facts, fp8_query=True)
         assert tiles[0] == default and len(tiles) > 1 and all(t.fp8_query for t in tiles)
         forms = {t.replace(min_split_tokens=0) for t in tiles}
-        # above 32 rows all three forms: 32-row narrow blocks, the wide form with three slots and with four
+        # from 32 rows all three forms: 32-row narrow blocks, the wide form with three slots and with four
         assert {(t.block_h, t.num_stages) for t in forms} == ({(32, 3), (64, 3), (64, 4)} if other else
                                                               {(default.block_h, default.num_stages)}), tiles
         assert not any(t.fp8_query for t in candidate_tiles(**facts))
