@@ -275,7 +275,7 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
 
-# The FP8-query forms above 32 packed rows, by name: 32-row narrow blocks, the wide form with three slots, and with
+# The FP8-query forms from 32 packed rows, by name: 32-row narrow blocks, the wide form with three slots, and with
 # four and the scores ahead.
 FP8_QUERY_FORMS = {"narrow": HOPPER_FP8_QUERY_SHAPES[32], "wide": HOPPER_FP8_QUERY_SHAPES[64],
                    "ahead": HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE}
