@@ -135,7 +135,10 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     fp8 = kv == "fp8" or ds_mla
     tma = overrides.pop("TMA_KV", False)
     rounded_query = overrides.pop("ROUNDED_QUERY", None)
-    tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128, max_items=16384) if overrides.get("FP8_QUERY")
+    # FP8-query: the four-slot wide form for 64 rows, the narrow form for 16-32 (a batch of one: too little work for
+    # the wide one)
+    tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128 if rows > 32 else 1, max_items=16384)
+            if overrides.get("FP8_QUERY")
             else HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows])
     params = LaunchParams(**tile.launch_fields())
     if rounded_query is None:
