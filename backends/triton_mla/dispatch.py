@@ -239,12 +239,14 @@ FP8Q_TMA = True
 # narrow form's 16-32 rows round quickly.
 FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 FP8Q_ROUNDED_QUERY_PDL = True
-# The four-slot wide form's p @ v warpgroups take v^T as wgmma's register operand (o^T = v^T p^T), read from the
-# slot and transposed in registers, where the three-slot form stores it transposed in shared memory for p v (at 192
-# registers a p @ v thread, FP8_QUERY_WIDE_PV_REGS: 184 spilled in the loop). H200 (fp8-query-wide-h200.txt 24),
-# ragged: 0.82-1.01x the time at the 8 shapes from 2^25 (with FP8_QUERY_WIDE_AHEAD_MIN_WORK below), 0.82-0.90x
-# at 16k tokens; where every wide launch took it, 1.05-1.14x at 2^22-2^24, whose three slots keep the shared v^T.
-FP8Q_WIDE_V_IN_REGISTERS = True
+# Where the wide form's p @ v warpgroups take v^T as wgmma's register operand (o^T = v^T p^T), read from the slot
+# and transposed in registers, rather than storing it transposed in shared memory for p v (at 192 registers a p @ v
+# thread, FP8_QUERY_WIDE_PV_REGS: 184 spilled in the loop): with four slots ("four_slots"), and with three where
+# the launch has one split ("one_split"). H200 (fp8-query-wide-h200.txt 24), ragged: 0.82-1.01x the time at the 8 shapes from 2^25 (with
+# FP8_QUERY_WIDE_AHEAD_MIN_WORK below), 0.82-0.90x at 16k tokens; where every wide launch took it, 0.83-0.86x at
+# the three one-split shapes below 2^25 (batch 64-128, kv 1k) and 1.01-1.14x at the seven with split partials at
+# 2^22-2^24, whose fp32 partials it stores half a sector a thread at a time (docs/kernels.md).
+FP8Q_WIDE_V_IN_REGISTERS = frozenset({"four_slots", "one_split"})
 
 
 def rounds_query_before(params: LaunchParams) -> bool:
@@ -348,7 +350,8 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
     wide = form[0] == "fp8_query_wide"
     scores_ahead = wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages
-    v_in_registers = scores_ahead and FP8Q_WIDE_V_IN_REGISTERS
+    v_in_registers = wide and (scores_ahead and "four_slots" in FP8Q_WIDE_V_IN_REGISTERS
+                               or params.num_splits == 1 and "one_split" in FP8Q_WIDE_V_IN_REGISTERS)
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(

@@ -94,6 +94,19 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
         assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
 
+def test_the_wide_form_takes_v_t_as_a_register_operand_with_four_slots_or_one_split():
+    from mla_tune.backends.triton_mla.config import FP8_QUERY_WIDE_PV_REGS, LaunchParams
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, hopper_constexprs
+
+    for form, splits, in_registers in (("ahead", 4, True), ("ahead", 1, True), ("wide", 1, True), ("wide", 2, False),
+                                       ("narrow", 1, False)):
+        params = LaunchParams(num_splits=splits, **fp8_query_form_tile(form).launch_fields())
+        constexprs = hopper_constexprs(params, kv_fp8=True, sparse=False, splits=splits)
+        assert constexprs["V_IN_REGISTERS"] == in_registers, (form, splits)
+        if form != "narrow":  # the p @ v warpgroups' registers follow
+            assert constexprs["MMA_REGS"] == FP8_QUERY_WIDE_PV_REGS[in_registers], (form, splits)
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
 def test_the_launcher_refuses_fp8_query_without_an_e4m3_cache(kv):
     from mla_tune.backends.triton_mla import LaunchParams, mla_decode
