@@ -12,9 +12,9 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 - two p @ v warpgroups each write their 256 of the tile's latent columns transposed into a v^T buffer of their own
   (8-bit wgmma takes only K-major operands; `hopper_fp8_query._store_v_t`'s read-back layout), release the token
   slot, and multiply p by them (`o += p v`); at the end they write those output columns with the scorer's row sums.
-  With four slots (`V_IN_REGISTERS`) they instead read those columns into registers and transpose them there, as
-  wgmma's register operand of `o^T = v^T p^T` (p^T is then the K-major shared operand it already is): no v^T
-  stores, no v^T buffers.
+  With `V_IN_REGISTERS` (four slots, or one split: `dispatch.FP8Q_WIDE_V_IN_REGISTERS`) they instead read those
+  columns into registers and transpose them there, as wgmma's register operand of `o^T = v^T p^T` (p^T is then the
+  K-major shared operand it already is): no v^T stores, no v^T buffers.
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
 warpgroup, once p of tile t is in (the scores have read its slot) and its own read-back is done (with v^T in
@@ -22,7 +22,7 @@ registers: once its p @ v of tile t is), copies its half of tile `t + slots` int
 `cp.async` copy. Otherwise the scorer copies every tile by `cp.async`, `slots - 1` ahead.
 
 Shared memory: the query (36 KiB), three or four token slots (36 KiB each), the two v^T halves (32 KiB, not with
-four slots), two p buffers (8 KiB).
+`V_IN_REGISTERS`), two p buffers (8 KiB).
 """
 
 from __future__ import annotations
