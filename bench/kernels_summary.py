@@ -3,10 +3,10 @@
 For each kind of problem (dense or sparse, bf16 or FP8 cache) and each competitor that ran beside our kernel
 (FlashMLA, FlashAttention-3's MLA path), it gives the competitor's time over ours on every shape both passed
 the correctness gate: geometric mean, range, and the shapes where ours is slower. Issue goals: never slower,
-geometric mean at least 1.15. It also gives our kernel's fraction of the roofline (kernels.py's "frac") where
-the issue sets a bandwidth goal: batch >= 64 and kv_len >= 4096. With --ours naming several of our dense
-backends, "ours" is the faster of them at each shape (those of them that ran it), and the roofline fractions are
-given for each.
+geometric mean at least 1.15. It also gives the fraction of the roofline (kernels.py's "frac") where the issue
+sets a bandwidth goal, batch >= 64 and kv_len >= 4096: of each of our dense backends and of each competitor beside
+them. With --ours naming several of our dense backends, "ours" is the faster of them at each shape (those of them
+that ran it).
 
 CPU only; reads the text files kernels.py writes.
 
@@ -105,18 +105,18 @@ def ratio_table(rows: list[Row], ours_dense: tuple[str, ...] = OURS[False]) -> l
 
 
 def bandwidth_table(rows: list[Row], ours_dense: tuple[str, ...] = OURS[False]) -> list[str]:
-    """Markdown: each of our dense backends' roofline fraction at batch >= 64, kv_len >= 4096, by cache dtype and
-    heads (the backend named where there are several)."""
+    """Markdown: the roofline fraction at batch >= 64, kv_len >= 4096 of each of our dense backends, then of each
+    dense competitor that ran beside them, by cache dtype and heads."""
+    backends = ours_dense + COMPETITORS[False]
     fracs = defaultdict(list)
     for r in rows:
-        if (r.backend in ours_dense and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
+        if (r.backend in backends and not r.sparse and r.batch >= BANDWIDTH_MIN_BATCH
                 and r.kv_len >= BANDWIDTH_MIN_KV_LEN):
-            fracs[(r.kv, r.heads, r.backend)].append(r.frac)
-    several = len(ours_dense) > 1
+            fracs[(r.kv, r.heads, backends.index(r.backend))].append(r.frac)
     lines = [f"| dense, batch >= {BANDWIDTH_MIN_BATCH}, kv_len >= {BANDWIDTH_MIN_KV_LEN} | heads | shapes "
-             f"| ours: fraction of the roofline, median (min-max) |", "|---|---|---|---|"]
-    for (kv, heads, backend), values in sorted(fracs.items()):
-        lines.append(f"| {kv}{f' {backend}' if several else ''} | {heads} | {len(values)} "
+             f"| fraction of the roofline, median (min-max) |", "|---|---|---|---|"]
+    for (kv, heads, index), values in sorted(fracs.items()):
+        lines.append(f"| {kv} {backends[index]} | {heads} | {len(values)} "
                      f"| {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f}) |")
     return lines
 

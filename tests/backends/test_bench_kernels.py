@@ -65,7 +65,9 @@ def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
     table = summary.ratio_table(parsed)
     # sqrt(0.8 * 1.5) = 1.10; ours loses at batch 64 only
     assert table[2] == "| dense FP8 | FLASHMLA | 2 | 1.10 (0.80-1.50) | missed | h128 b64 kv4096 0.80 |"
-    assert summary.bandwidth_table(parsed)[2] == "| fp8_e4m3 | 128 | 2 | 0.50 (0.50-0.50) |"
+    # ours first, then the competitor beside it
+    assert summary.bandwidth_table(parsed)[2:] == ["| fp8_e4m3 MLA_TUNE_TRITON | 128 | 2 | 0.50 (0.50-0.50) |",
+                                                   "| fp8_e4m3 FLASHMLA | 128 | 2 | 0.60 (0.60-0.60) |"]
     assert summary.main([str(path)]) == 0
     assert summary.main([str(tmp_path / "missing.txt")]) == 2
 
@@ -91,7 +93,8 @@ def test_summary_takes_the_faster_of_several_of_ours_at_each_shape(tmp_path):
     assert summary.ratio_table(parsed)[2] == "| dense FP8 | FLASHMLA | 2 | 0.87 (0.83-0.90) | missed | " \
         "h64 b64 kv4096 0.83, h64 b128 kv4096 0.90 |"
     assert summary.bandwidth_table(parsed, both)[2:] == ["| fp8_e4m3 MLA_TUNE_TRITON | 64 | 2 | 0.50 (0.50-0.50) |",
-                                                          "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.70 (0.70-0.70) |"]
+                                                          "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.70 (0.70-0.70) |",
+                                                          "| fp8_e4m3 FLASHMLA | 64 | 2 | 0.50 (0.50-0.50) |"]
     assert summary.main(["--ours", ",".join(both), str(path)]) == 0
     with pytest.raises(SystemExit) as exc:
         summary.main(["--ours", "", str(path)])
