@@ -15,6 +15,7 @@ from mla_tune.backends.problem import DS_MLA_BYTES
 
 D_LATENT = 512
 D_ROPE = 64
+E4M3_MAX = 448.0  # e4m3's largest finite value (the FP8-query forms scale each query row to it)
 MAX_SPLITS = 64
 
 # The declared tuning space: every combination `LaunchParams` accepts is a valid launch on SM80+

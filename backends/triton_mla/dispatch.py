@@ -242,10 +242,11 @@ FP8Q_ROUNDED_QUERY_PDL = True
 # Where the wide form's p @ v warpgroups take v^T as wgmma's register operand (o^T = v^T p^T), read from the slot
 # and transposed in registers, rather than storing it transposed in shared memory for p v (at 192 registers a p @ v
 # thread, FP8_QUERY_WIDE_PV_REGS: 184 spilled in the loop): with four slots ("four_slots"), and with three where
-# the launch has one split ("one_split"). H200 (fp8-query-wide-h200.txt 24), ragged: 0.82-1.01x the time at the 8 shapes from 2^25 (with
-# FP8_QUERY_WIDE_AHEAD_MIN_WORK below), 0.82-0.90x at 16k tokens; where every wide launch took it, 0.83-0.86x at
-# the three one-split shapes below 2^25 (batch 64-128, kv 1k) and 1.01-1.14x at the seven with split partials at
-# 2^22-2^24, whose fp32 partials it stores half a sector a thread at a time (docs/kernels.md).
+# the launch has one split ("one_split"). H200 (fp8-query-wide-h200.txt 24), ragged: 0.82-1.01x the time at the 8
+# shapes from 2^25 (with FP8_QUERY_WIDE_AHEAD_MIN_WORK below), 0.82-0.90x at 16k tokens; where every wide launch
+# took it, 0.83-0.86x at the three one-split shapes below 2^25 (batch 64-128, kv 1k; 27) and 1.01-1.14x at the
+# seven with split partials at 2^22-2^24, whose fp32 partials it stores half a sector a thread at a time
+# (docs/kernels.md).
 FP8Q_WIDE_V_IN_REGISTERS = frozenset({"four_slots", "one_split"})
 
 

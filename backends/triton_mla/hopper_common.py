@@ -14,9 +14,11 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 from triton.language.extra.cuda import gdc_wait
 
+from mla_tune.backends.triton_mla import config
+
 ROWS = gl.constexpr(64)        # query rows per program in the 64-row forms: one wgmma M block
 LOAD_WARPS = gl.constexpr(4)   # a loader partition: one warpgroup
-E4M3_MAX = gl.constexpr(448.0)  # e4m3's largest finite value
+E4M3_MAX = gl.constexpr(config.E4M3_MAX)
 
 
 # Triton 3.9 renamed gl.thread_barrier to gl.barrier

@@ -18,8 +18,9 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
 warpgroup, once p of tile t is in (the scores have read its slot) and its own read-back is done (with v^T in
-registers: once its p @ v of tile t is), copies its half of tile `t + slots` into that slot (`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling
-`cp.async` copy. Otherwise the scorer copies every tile by `cp.async`, `slots - 1` ahead.
+registers: once its p @ v of tile t is), copies its half of tile `t + slots` into that slot
+(`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling `cp.async` copy. Otherwise the
+scorer copies every tile by `cp.async`, `slots - 1` ahead.
 
 Shared memory: the query (36 KiB), three or four token slots (36 KiB each), the two v^T halves (32 KiB, not with
 `V_IN_REGISTERS`), two p buffers (8 KiB).

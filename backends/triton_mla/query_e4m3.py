@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from mla_tune.backends.triton_mla.config import cc_major
+from mla_tune.backends.triton_mla import config
+from mla_tune.backends.triton_mla.config import D_LATENT, cc_major
 
-E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+E4M3_MAX = tl.constexpr(config.E4M3_MAX)
 ROWS_PER_PROGRAM = 16
 
 
@@ -62,14 +63,15 @@ def round_query(q: torch.Tensor, q8: torch.Tensor, q_amax: torch.Tensor) -> None
     n_rows = batch * q_len * heads
     _round_query_kernel[(triton.cdiv(n_rows, ROWS_PER_PROGRAM),)](
         q, q8, q_amax, n_rows, heads, q_len, q.stride(0), q.stride(1), q.stride(2),
-        D_LATENT=512, D_ROPE=width - 512, BLOCK_R=ROWS_PER_PROGRAM, LAUNCH_DEPENDENTS=(cc_major(q.device) or 0) >= 9, num_warps=4)
+        D_LATENT=D_LATENT, D_ROPE=width - D_LATENT, BLOCK_R=ROWS_PER_PROGRAM,
+        LAUNCH_DEPENDENTS=(cc_major(q.device) or 0) >= 9, num_warps=4)
 
 
 def round_query_reference(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q8, q_amax) as `round_query` computes them, in torch (the tests' reference)."""
     x = q.float()
     amax = x.abs().amax(-1)
-    top = E4M3_MAX.value
+    top = config.E4M3_MAX
     amax = torch.where(amax > 0, amax, torch.full_like(amax, top))
     q8 = (x * (top / amax)[..., None]).to(torch.float8_e4m3fn)
     return q8, amax / top

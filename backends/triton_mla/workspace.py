@@ -6,8 +6,8 @@ partials never exceed `(batch + 4 x SMs) x rows x 2052` bytes (about 139 MB at 1
 batch 1). With one split the kernel writes `out`/`lse` directly and needs no partials. With `split_scores` every
 program also owns `2 x block_h x (block_n + 2)` 2-byte scratch elements (16.5 KiB for a 64 x 64 tile; about 22 MB
 at 128 heads and batch 128). A `longest_first` launch also keeps its order (`splits.launch_order`,
-4 bytes a program). A launch of the wide FP8-query form also keeps its query rounded to e4m3 (`query_e4m3.py`: 580 bytes a
-query row).
+4 bytes a program). A launch of the wide FP8-query form also keeps its query rounded to e4m3 (`query_e4m3.py`:
+580 bytes a query row).
 """
 
 from __future__ import annotations

@@ -92,9 +92,10 @@ def test_summary_takes_the_faster_of_several_of_ours_at_each_shape(tmp_path):
         "| dense FP8 | FLASHMLA | 2 | 1.06 (0.90-1.25) | missed | h64 b128 kv4096 0.90 |"
     assert summary.ratio_table(parsed)[2] == "| dense FP8 | FLASHMLA | 2 | 0.87 (0.83-0.90) | missed | " \
         "h64 b64 kv4096 0.83, h64 b128 kv4096 0.90 |"
-    assert summary.bandwidth_table(parsed, both)[2:] == ["| fp8_e4m3 MLA_TUNE_TRITON | 64 | 2 | 0.50 (0.50-0.50) |",
-                                                          "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.70 (0.70-0.70) |",
-                                                          "| fp8_e4m3 FLASHMLA | 64 | 2 | 0.50 (0.50-0.50) |"]
+    assert summary.bandwidth_table(parsed, both)[2:] == [
+        "| fp8_e4m3 MLA_TUNE_TRITON | 64 | 2 | 0.50 (0.50-0.50) |",
+        "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.70 (0.70-0.70) |",
+        "| fp8_e4m3 FLASHMLA | 64 | 2 | 0.50 (0.50-0.50) |"]
     assert summary.main(["--ours", ",".join(both), str(path)]) == 0
     with pytest.raises(SystemExit) as exc:
         summary.main(["--ours", "", str(path)])

@@ -69,15 +69,16 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
     # rows (32 heads from batch 64 at 16k tokens)
     work = FP8_QUERY_WIDE_MIN_WORK
     for heads, batch, max_items, rows, slots in (
-            (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3), (64, 4, 16384, 64, 3),
-            (64, 8, 4096, 32, 3), (64, 32, 2048, 64, 3), (64, 16, 2048, 32, 3), (128, 4, 16384, 64, 3), (128, 8, 4096, 64, 3),
-            (128, 4, 4096, 32, 3), (128, 16, 1024, 32, 3), (128, 1, work // 128, 64, 3), (32, 128, 4096, 32, 3),
+            (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3),
+            (64, 4, 16384, 64, 3), (64, 8, 4096, 32, 3), (64, 32, 2048, 64, 3), (64, 16, 2048, 32, 3),
+            (128, 4, 16384, 64, 3), (128, 8, 4096, 64, 3), (128, 4, 4096, 32, 3), (128, 16, 1024, 32, 3),
+            (128, 1, work // 128, 64, 3), (32, 128, 4096, 32, 3),
             (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 4), (64, 16, 16384, 64, 3),
             (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (32, 32, 16384, 32, 3),
             (20, 128, 16384, 32, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
         assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
-    # the dispatch gives it whatever the shape; the tuner's refinement also times the other form above 32 rows,
+    # the dispatch gives it whatever the shape; the tuner's refinement also times the other forms from 32 rows,
     # and otherwise varies its splits only
     from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
 
@@ -177,7 +178,8 @@ def _rounding_case(heads: int, q_len: int) -> dict:
     got, want = q8.float(), ref8.float()
     # Triton's interpreter emulates the e4m3 rounding from the first dropped bit alone (ties away from zero, not to
     # even) and without its carry into the exponent (a value that rounds up to a power of two comes out as half of
-    # it); the GPU test below compares every byte the compiled kernel writes
+    # it); the GPU test below holds the compiled kernel's bytes to torch's (one e4m3 step apart at most where a
+    # scale's last bit differs, on fewer than 1 in 1000 values)
     step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -6))) - 3)
     dropped_carry = got == torch.sign(want) * 2.0 ** torch.floor(torch.log2(want.abs() + step)) / 2
     return {"e4m3_within_the_interpreters_rounding": bool((((got - want).abs() <= step) | dropped_carry).all()),
@@ -200,7 +202,7 @@ def interpreted_results():
 
 
 @pytest.mark.parametrize("case", sorted(ROUNDING_CASES))
-def test_the_query_rounding_kernel_matches_torch_byte_for_byte(interpreted_results, case):
+def test_the_query_rounding_kernel_matches_torch_up_to_the_interpreters_rounding(interpreted_results, case):
     # the real Triton interpreter (the GPU test below runs it compiled); each row's largest magnitude rounds to
     # e4m3's largest, a row of zeros keeps the factor 1
     assert interpreted_results[case] == {"e4m3_within_the_interpreters_rounding": True, "amax_equal": True,
@@ -379,11 +381,12 @@ FORMS = tuple(FP8_QUERY_FORMS)  # above 32 packed rows (`_fp8_query_case`)
 
 
 def _round_query_like_the_kernel(q: torch.Tensor) -> torch.Tensor:
-    """q with each (token, head) row times 448 / max |row|, rounded to e4m3 and scaled back."""
-    q32 = q.float()
-    amax = q32.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
-    return ((q32 * scale).to(torch.float8_e4m3fn).float() / scale).to(q.dtype)
+    """q with each (token, head) row rounded to e4m3 as the kernels round it (`round_query_reference`: times
+    448 / max |row|), scaled back."""
+    from mla_tune.backends.triton_mla.query_e4m3 import round_query_reference
+
+    q8, factor = round_query_reference(q)
+    return (q8.float() * factor[..., None]).to(q.dtype)
 
 
 def _rel(a, b) -> float:
