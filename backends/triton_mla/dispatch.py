@@ -248,6 +248,11 @@ FP8Q_ROUNDED_QUERY_PDL = True
 # seven with split partials at 2^22-2^24, whose fp32 partials it stores half a sector a thread at a time
 # (docs/kernels.md).
 FP8Q_WIDE_V_IN_REGISTERS = frozenset({"four_slots", "one_split"})
+# EXPERIMENT: with v^T in registers, fp32 split partials stored through lane-pair shuffles, whole sectors a warp
+# instruction (16-row pieces)
+FP8Q_WIDE_SECTOR_STORES = False
+# EXPERIMENT: the split partials' L2 evict-last hint also on longest-first launches (grid (m, entries, 1))
+PARTIAL_EVICT_LAST_ORDERED = False
 
 
 def rounds_query_before(params: LaunchParams) -> bool:
@@ -352,7 +357,8 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     wide = form[0] == "fp8_query_wide"
     scores_ahead = wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages
     v_in_registers = wide and (scores_ahead and "four_slots" in FP8Q_WIDE_V_IN_REGISTERS
-                               or params.num_splits == 1 and "one_split" in FP8Q_WIDE_V_IN_REGISTERS)
+                               or params.num_splits == 1 and "one_split" in FP8Q_WIDE_V_IN_REGISTERS
+                               or "split_partials" in FP8Q_WIDE_V_IN_REGISTERS)
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
@@ -363,4 +369,5 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=scores_ahead, V_IN_REGISTERS=v_in_registers)
+        SCORES_AHEAD=scores_ahead, V_IN_REGISTERS=v_in_registers,
+        SECTORS=v_in_registers and FP8Q_WIDE_SECTOR_STORES)

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
+    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _inv_sums, _round_pairs, _store_out, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
     _tile_positions)
 from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, _store_v_t, tma_reads, tma_tile
 
@@ -208,9 +208,33 @@ def _v_t_operand(k_lat, COL0: gl.constexpr, o_layout: gl.constexpr):
     return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
 
 
+_O_T_SECTOR_16 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 8], [1, 0], [8, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 16], [0, 32]],
+    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[16, 256]))
+
+
+@gluon.jit
+def _sector_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constexpr):
+    """EXPERIMENT: rows ROW0 .. ROW0 + 15 of the output (fp32 partials), whole sectors a warp instruction."""
+    x = gl.convert_layout(x, _O_T_SECTOR_16)
+    rows_l: gl.constexpr = gl.SliceLayout(1, _O_T_SECTOR_16)
+    r = prog.pid_m * ROWS + ROW0 + gl.arange(0, 16, layout=rows_l)
+    qi = r // prog.num_heads
+    h = r % prog.num_heads
+    ok = r < prog.Q_LEN * prog.num_heads
+    cols = COL0 + gl.arange(0, 256, layout=gl.SliceLayout(0, _O_T_SECTOR_16))
+    o_row = (prog.o_ptr + prog.b.to(gl.int64) * prog.stride_ob + prog.split * prog.stride_os + qi * prog.stride_ot
+             + h * prog.stride_oh)
+    inv_l = _inv_sums(l_smem.slice(ROW0, 16).load(rows_l), prog.out_scale)
+    values = _round_pairs(x * inv_l[:, None], prog.o_ptr.dtype.element_ty)
+    _store_out(o_row[:, None] + cols[None, :], values, (ok & prog.store_o)[:, None], prog.EVICT_LAST)
+
+
 @gluon.jit
 def _wide_pv_registers(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-                       HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
+                       HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr,
+                       SECTORS: gl.constexpr = 0):
     """A p @ v warpgroup with v^T in registers (V_IN_REGISTERS): per tile, latent columns `256 HALF .. 256 HALF +
     255` read into registers, the token slot released, then `o^T += v^T p^T`; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -235,7 +259,19 @@ def _wide_pv_registers(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, 
     out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, ROWS]).permute((4, 1, 3, 0, 2)), [ROWS, 256])
     out = gl.convert_layout(out, _O_T_STORE_LAYOUT)
     l_i = l_smem.load(gl.SliceLayout(1, _O_T_STORE_LAYOUT))
-    _epilogue(out, l_i, l_i, prog, _O_T_STORE_LAYOUT, gl.SliceLayout(1, _O_T_STORE_LAYOUT), HALF * 256, 256, False)
+    if SECTORS and prog.o_ptr.dtype.element_ty == gl.float32:
+        # rows 32 a + 16 b + r: (a, b) as trailing dims, split into four 16-row pieces
+        quads = gl.reshape(out, [2, 2, 16, 256]).permute((2, 3, 0, 1))
+        lo, hi = gl.split(quads)
+        lo0, lo1 = gl.split(lo)
+        hi0, hi1 = gl.split(hi)
+        _sector_rows(lo0, l_smem, prog, 0, HALF * 256)
+        _sector_rows(lo1, l_smem, prog, 32, HALF * 256)
+        _sector_rows(hi0, l_smem, prog, 16, HALF * 256)
+        _sector_rows(hi1, l_smem, prog, 48, HALF * 256)
+    else:
+        _epilogue(out, l_i, l_i, prog, _O_T_STORE_LAYOUT, gl.SliceLayout(1, _O_T_STORE_LAYOUT), HALF * 256, 256,
+                  False)
 
 
 @gluon.jit
@@ -270,7 +306,8 @@ def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, V_IN_REGISTERS: gl.constexpr = False):
+                   SCORES_AHEAD: gl.constexpr = False, V_IN_REGISTERS: gl.constexpr = False,
+                   SECTORS: gl.constexpr = 0):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -306,9 +343,9 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
             (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
                             lat_desc, rope_desc, TMA, SCORES_AHEAD)),
             (_wide_pv_registers, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
-                                  rope_desc, TMA)),
+                                  rope_desc, TMA, SECTORS)),
             (_wide_pv_registers, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
-                                  rope_desc, TMA))],
+                                  rope_desc, TMA, SECTORS))],
             [4, 4], [PV_REGS, PV_REGS])
         return
     v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
