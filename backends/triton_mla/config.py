@@ -85,10 +85,9 @@ WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPE
 # rebalances them between its partitions.
 HOPPER_MAXNREG = 168
 HOPPER_LOAD_REGS = {"16bit": 80, "fp8": 96, "fp8_ahead": 120, "ds_mla": 120, "fp8_query": 112}
-# The wide FP8-query form's p @ v warpgroups (a 64 x 256 fp32 accumulator each), by whether v^T is their register
-# operand (`dispatch.FP8Q_WIDE_V_IN_REGISTERS`; there 168 and 184 spill in the loop, 192 only in the epilogue); the
-# scorer gets the rest.
-FP8_QUERY_WIDE_PV_REGS = {False: 168, True: 192}
+# The wide FP8-query form's p @ v warpgroups (a 64 x 256 fp32 accumulator and v^T as their register operand each;
+# 168 and 184 spill in the loop, 192 only in the epilogue); the scorer gets the rest.
+FP8_QUERY_WIDE_PV_REGS = 192
 # The qk1 form's second MMA warpgroup: 168 keeps both warpgroups from spilling (152 spilled).
 QK1_WORKER_REGS = 168
 HOPPER_CC_MAJORS = (9,)  # wgmma and setmaxnreg: SM90 only

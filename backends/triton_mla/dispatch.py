@@ -228,6 +228,7 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
 # each KV tile, which launch two to four times the programs.
 FP8_QUERY_WIDE_MIN_WORK = 1 << 22
+FP8_QUERY_WIDE_MIN_ROWS = 33
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -239,18 +240,6 @@ FP8Q_TMA = True
 # narrow form's 16-32 rows round quickly.
 FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 FP8Q_ROUNDED_QUERY_PDL = True
-# Where the wide form's p @ v warpgroups take v^T as wgmma's register operand (o^T = v^T p^T), read from the slot
-# and transposed in registers, rather than storing it transposed in shared memory for p v (at 192 registers a p @ v
-# thread, FP8_QUERY_WIDE_PV_REGS: 184 spilled in the loop): with four slots ("four_slots"), and with three where
-# the launch has one split ("one_split"). H200 (fp8-query-wide-h200.txt 24), ragged: 0.82-1.01x the time at the 8
-# shapes from 2^25 (with FP8_QUERY_WIDE_AHEAD_MIN_WORK below), 0.82-0.90x at 16k tokens; where every wide launch
-# took it, 0.83-0.86x at the three one-split shapes below 2^25 (batch 64-128, kv 1k; 27) and 1.01-1.14x at the
-# seven with split partials at 2^22-2^24, whose fp32 partials it stores half a sector a thread at a time
-# (docs/kernels.md).
-FP8Q_WIDE_V_IN_REGISTERS = frozenset({"four_slots", "one_split"})
-# EXPERIMENT: with v^T in registers, fp32 split partials stored through lane-pair shuffles, whole sectors a warp
-# instruction (16-row pieces)
-FP8Q_WIDE_SECTOR_STORES = False
 # EXPERIMENT: the split partials' L2 evict-last hint also on longest-first launches (grid (m, entries, 1))
 PARTIAL_EVICT_LAST_ORDERED = False
 
@@ -259,9 +248,10 @@ def rounds_query_before(params: LaunchParams) -> bool:
     """Whether a launch with `params` rounds its query before stage 1 (FP8Q_ROUNDED_QUERY_FORMS)."""
     return params.fp8_query and params.kernel_form in FP8Q_ROUNDED_QUERY_FORMS
 
+
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
-# tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD), with v^T in registers; below, three
-# slots, one tile at a time. From 2^24 (fp8-query-wide-h200.txt 24): 1.05 and 1.09x the time at 64 heads batch 16
+# tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a
+# time. From 2^24 (fp8-query-wide-h200.txt 24): 1.05 and 1.09x the time at 64 heads batch 16
 # kv 16k and batch 64 kv 4k, 0.84x at 128 heads batch 128 kv 1k.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 25
 # and from this many packed rows: at 32 heads from batch 64 at 16k tokens the four-slot form took 0.86 and 0.83x the
@@ -278,7 +268,7 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     work = rows * batch * max_items
     if rows >= FP8_QUERY_WIDE_AHEAD_MIN_ROWS and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
         return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
-    wide = rows > 32 and work >= FP8_QUERY_WIDE_MIN_WORK
+    wide = rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_MIN_WORK
     bucket = 16 if rows <= 16 else 64 if wide else 32
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
@@ -356,18 +346,14 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
     wide = form[0] == "fp8_query_wide"
     scores_ahead = wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages
-    v_in_registers = wide and (scores_ahead and "four_slots" in FP8Q_WIDE_V_IN_REGISTERS
-                               or params.num_splits == 1 and "one_split" in FP8Q_WIDE_V_IN_REGISTERS
-                               or "split_partials" in FP8Q_WIDE_V_IN_REGISTERS)
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
         PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
-        MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS[v_in_registers] if wide else 0,
+        MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=scores_ahead, V_IN_REGISTERS=v_in_registers,
-        SECTORS=v_in_registers and FP8Q_WIDE_SECTOR_STORES)
+        SCORES_AHEAD=scores_ahead)

@@ -167,15 +167,15 @@ class Ring:
 
 
 def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool = False, qk1: bool = False,
-                      ds_mla: bool = False, fp8_query: bool = False, v_in_registers: bool = False) -> int:
+                      ds_mla: bool = False, fp8_query: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
     the rescale factors a slot and the row sums (p itself goes over the slot's rope columns); with `fp8_query`,
-    e4m3 query, slots, v^T (narrow: one a slot; wide: one, in two halves, none with `v_in_registers`) and p (wide:
-    two, with their rescale factors)."""
+    e4m3 query, slots, v^T (narrow: one a slot; wide: none, it is a register operand there) and p (wide: two, with
+    their rescale factors)."""
     if fp8_query:
         narrow = rows < ROWS.value
-        v_slots, p_bufs = (stages, 1) if narrow else (0 if v_in_registers else 1, 2)
+        v_slots, p_bufs = (stages, 1) if narrow else (0, 2)
         return (rows * 576 + stages * block_n * 576 + v_slots * 512 * block_n + p_bufs * rows * block_n
                 + (0 if narrow else (p_bufs + 1) * rows * 4))
     narrow = rows < ROWS.value

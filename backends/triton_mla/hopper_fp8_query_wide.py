@@ -9,21 +9,17 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
   scores tile t with the rows on M (`s = q k^T`, one m64n64 chain over 576 columns: the row max and sums stay within
   a quad of lanes) and hands p (`2^8 p` in e4m3) and the tile's rescale factors over one of two shared buffers; with
   four token slots and TMA copies it issues tile t's score MMAs before tile t - 1's softmax, which runs while they do;
-- two p @ v warpgroups each write their 256 of the tile's latent columns transposed into a v^T buffer of their own
-  (8-bit wgmma takes only K-major operands; `hopper_fp8_query._store_v_t`'s read-back layout), release the token
-  slot, and multiply p by them (`o += p v`); at the end they write those output columns with the scorer's row sums.
-  With `V_IN_REGISTERS` (four slots, or one split: `dispatch.FP8Q_WIDE_V_IN_REGISTERS`) they instead read those
-  columns into registers and transpose them there, as wgmma's register operand of `o^T = v^T p^T` (p^T is then the
-  K-major shared operand it already is): no v^T stores, no v^T buffers.
+- two p @ v warpgroups each read their 256 of the tile's latent columns from the slot into registers, release it,
+  and transpose them there as wgmma's register operand of `o^T = v^T p^T` (8-bit wgmma reads shared operands
+  K-major only; p^T is the K-major shared operand p's buffer already is); at the end they write those output
+  columns with the scorer's row sums, fp32 split partials whole 32-byte sectors a warp instruction.
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
-warpgroup, once p of tile t is in (the scores have read its slot) and its own read-back is done (with v^T in
-registers: once its p @ v of tile t is), copies its half of tile `t + slots` into that slot
+warpgroup, once its p @ v of tile t is done, copies its half of tile `t + slots` into that slot
 (`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling `cp.async` copy. Otherwise the
 scorer copies every tile by `cp.async`, `slots - 1` ahead.
 
-Shared memory: the query (36 KiB), three or four token slots (36 KiB each), the two v^T halves (32 KiB, not with
-`V_IN_REGISTERS`), two p buffers (8 KiB).
+Shared memory: the query (36 KiB), three or four token slots (36 KiB each), two p buffers (8 KiB).
 """
 
 from __future__ import annotations
@@ -34,14 +30,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _inv_sums, _round_pairs, _store_out, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
-    _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, _store_v_t, tma_reads, tma_tile
+    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _inv_sums, _partition_barrier, _rows, _store_lse, _store_out,
+    _store_query_e4m3, _tile_positions)
+from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, tma_reads, tma_tile
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
-# V_IN_REGISTERS: each p @ v warpgroup multiplies o^T = v^T p^T with v^T as wgmma's register operand, read from the
-# slot in `_V_T_LOAD_LAYOUT` (thread (warp w, lane 4g + q): tokens 4q + j + 16k, j and k < 4, of columns 64w + 8g to
+# Each p @ v warpgroup multiplies o^T = v^T p^T with v^T as wgmma's register operand, read from the slot in `_V_T_LOAD_LAYOUT` (thread (warp w, lane 4g + q): tokens 4q + j + 16k, j and k < 4, of columns 64w + 8g to
 # 64w + 8g + 7, 8-byte loads) and transposed in registers (byte permutes), no v^T stores. Accumulator row
 # m = 64b + 16w + 8h + g holds latent column 64w + 8g + 2b + h: the rows wgmma gives thread (w, g) in its four M
 # blocks are then its own 8 columns.
@@ -49,7 +44,8 @@ _V_T_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0], [32, 0]],
     lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
     warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
-# that accumulator as `[rows, 256 columns]`, a thread's 8 adjacent columns first (vector stores)
+# that accumulator as `[rows, 256 columns]`, a thread's 8 adjacent columns first (bf16: 16-byte stores, a warp's
+# lanes over whole sectors)
 _O_T_STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
     lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
@@ -208,35 +204,36 @@ def _v_t_operand(k_lat, COL0: gl.constexpr, o_layout: gl.constexpr):
     return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
 
 
-_O_T_SECTOR_16 = gl.constexpr(gl.DistributedLinearLayout(
+# 16 of those rows with 4 adjacent columns a thread and a lane pair over 8: fp32 partials whole 32-byte sectors a
+# warp instruction (each thread's own 8 columns, two 16-byte stores, fill half of each sector: twice the sectors)
+_O_T_PARTIAL_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 8], [1, 0], [8, 0]],
     lane_bases=[[2, 0], [4, 0], [0, 4], [0, 16], [0, 32]],
     warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[16, 256]))
 
 
 @gluon.jit
-def _sector_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constexpr):
-    """EXPERIMENT: rows ROW0 .. ROW0 + 15 of the output (fp32 partials), whole sectors a warp instruction."""
-    x = gl.convert_layout(x, _O_T_SECTOR_16)
-    rows_l: gl.constexpr = gl.SliceLayout(1, _O_T_SECTOR_16)
+def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constexpr):
+    """Rows `ROW0 .. ROW0 + 15` of the fp32 split partial, columns `COL0 .. COL0 + 255` (`x`, their unnormalised
+    output), through lane-pair shuffles into `_O_T_PARTIAL_LAYOUT` (16 rows at a time: all 64 at once spilled)."""
+    x = gl.convert_layout(x, _O_T_PARTIAL_LAYOUT)
+    rows_l: gl.constexpr = gl.SliceLayout(1, _O_T_PARTIAL_LAYOUT)
     r = prog.pid_m * ROWS + ROW0 + gl.arange(0, 16, layout=rows_l)
     qi = r // prog.num_heads
     h = r % prog.num_heads
-    ok = r < prog.Q_LEN * prog.num_heads
-    cols = COL0 + gl.arange(0, 256, layout=gl.SliceLayout(0, _O_T_SECTOR_16))
+    cols = COL0 + gl.arange(0, 256, layout=gl.SliceLayout(0, _O_T_PARTIAL_LAYOUT))
     o_row = (prog.o_ptr + prog.b.to(gl.int64) * prog.stride_ob + prog.split * prog.stride_os + qi * prog.stride_ot
              + h * prog.stride_oh)
     inv_l = _inv_sums(l_smem.slice(ROW0, 16).load(rows_l), prog.out_scale)
-    values = _round_pairs(x * inv_l[:, None], prog.o_ptr.dtype.element_ty)
-    _store_out(o_row[:, None] + cols[None, :], values, (ok & prog.store_o)[:, None], prog.EVICT_LAST)
+    _store_out(o_row[:, None] + cols[None, :], x * inv_l[:, None],
+               ((r < prog.Q_LEN * prog.num_heads) & prog.store_o)[:, None], prog.EVICT_LAST)
 
 
 @gluon.jit
-def _wide_pv_registers(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-                       HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr,
-                       SECTORS: gl.constexpr = 0):
-    """A p @ v warpgroup with v^T in registers (V_IN_REGISTERS): per tile, latent columns `256 HALF .. 256 HALF +
-    255` read into registers, the token slot released, then `o^T += v^T p^T`; at the end those output columns."""
+def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
+             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
+    """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
+    released, then `o^T += v^T p^T`; at the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 32])
     acc = gl.zeros([256, ROWS], gl.float32, o_layout)
@@ -258,56 +255,24 @@ def _wide_pv_registers(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, 
     mbarrier.wait(l_bar, 0)
     out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, ROWS]).permute((4, 1, 3, 0, 2)), [ROWS, 256])
     out = gl.convert_layout(out, _O_T_STORE_LAYOUT)
-    l_i = l_smem.load(gl.SliceLayout(1, _O_T_STORE_LAYOUT))
-    if SECTORS and prog.o_ptr.dtype.element_ty == gl.float32:
+    if prog.o_ptr.dtype.element_ty == gl.float32:  # split partials
         # rows 32 a + 16 b + r: (a, b) as trailing dims, split into four 16-row pieces
-        quads = gl.reshape(out, [2, 2, 16, 256]).permute((2, 3, 0, 1))
-        lo, hi = gl.split(quads)
+        lo, hi = gl.split(gl.reshape(out, [2, 2, 16, 256]).permute((2, 3, 0, 1)))
         lo0, lo1 = gl.split(lo)
         hi0, hi1 = gl.split(hi)
-        _sector_rows(lo0, l_smem, prog, 0, HALF * 256)
-        _sector_rows(lo1, l_smem, prog, 32, HALF * 256)
-        _sector_rows(hi0, l_smem, prog, 16, HALF * 256)
-        _sector_rows(hi1, l_smem, prog, 48, HALF * 256)
+        _partial_rows(lo0, l_smem, prog, 0, HALF * 256)
+        _partial_rows(hi0, l_smem, prog, 16, HALF * 256)
+        _partial_rows(lo1, l_smem, prog, 32, HALF * 256)
+        _partial_rows(hi1, l_smem, prog, 48, HALF * 256)
     else:
+        l_i = l_smem.load(gl.SliceLayout(1, _O_T_STORE_LAYOUT))
         _epilogue(out, l_i, l_i, prog, _O_T_STORE_LAYOUT, gl.SliceLayout(1, _O_T_STORE_LAYOUT), HALF * 256, 256,
                   False)
 
 
 @gluon.jit
-def _wide_pv(ring: Ring, v_t, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program,
-             HALF: gl.constexpr, src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
-    """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` transposed into its `v_t`, the
-    token slot released, then p times them; at the end those output columns."""
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 256, 32])
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
-    for t in range(prog.n_tiles):
-        slot, _phase = _full_slot(ring, t, False)
-        _store_v_t(ring.k_lat.index(slot), v_t, HALF * 256, 256)
-        fence_async_shared()
-        _partition_barrier()  # every thread's v^T stores are in before this warpgroup's wgmma reads them
-        mbarrier.arrive(ring.empty_bars.index(slot))
-        buf = t % P_BUFFERS
-        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)
-        if TMA:  # this half of tile t + STAGES into the slot: p says the scores read it, and so did this read-back
-            if tma_reads(src, t + ring.STAGES):
-                tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
-                         HALF == 0)
-        acc = acc * alpha_smem.index(buf).load(rows_o)[:, None]
-        acc = warpgroup_mma(p_smem.index(buf), v_t.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p_empty.index(buf))
-    mbarrier.wait(l_bar, 0)
-    l_i = l_smem.load(rows_o)
-    _epilogue(acc, l_i, l_i, prog, o_layout, rows_o, HALF * 256, 256, False)
-
-
-@gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, V_IN_REGISTERS: gl.constexpr = False,
-                   SECTORS: gl.constexpr = 0):
+                   SCORES_AHEAD: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread) as workers."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -338,23 +303,9 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
-    if V_IN_REGISTERS:
-        gl.warp_specialize([
-            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                            lat_desc, rope_desc, TMA, SCORES_AHEAD)),
-            (_wide_pv_registers, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
-                                  rope_desc, TMA, SECTORS)),
-            (_wide_pv_registers, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
-                                  rope_desc, TMA, SECTORS))],
-            [4, 4], [PV_REGS, PV_REGS])
-        return
-    v_lo = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
-    v_hi = gl.allocate_shared_memory(dtype, [256, BLOCK_N], narrow_layout)
     gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                        lat_desc, rope_desc, TMA, SCORES_AHEAD)),
-        (_wide_pv, (ring, v_lo, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc,
-                    rope_desc, TMA)),
-        (_wide_pv, (ring, v_hi, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc,
-                    rope_desc, TMA))],
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
+                        rope_desc, TMA, SCORES_AHEAD)),
+        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA)),
+        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA))],
         [4, 4], [PV_REGS, PV_REGS])

@@ -95,17 +95,44 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
         assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
 
-def test_the_wide_form_takes_v_t_as_a_register_operand_with_four_slots_or_one_split():
-    from mla_tune.backends.triton_mla.config import FP8_QUERY_WIDE_PV_REGS, LaunchParams
-    from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, hopper_constexprs
+def _warp_stores(layout, element_bytes: int, vector: int) -> list[list[int]]:
+    """Per warp store instruction of a distributed linear layout over a row-major `[rows, 512]` output: the byte
+    addresses each of its 32 lanes writes (`vector` adjacent registers a store), warp 0."""
+    def offset(bits, bases):
+        row = col = 0
+        for i, (r, c) in enumerate(bases):
+            if bits >> i & 1:
+                row, col = row ^ r, col ^ c
+        return row, col
 
-    for form, splits, in_registers in (("ahead", 4, True), ("ahead", 1, True), ("wide", 1, True), ("wide", 2, False),
-                                       ("narrow", 1, False)):
-        params = LaunchParams(num_splits=splits, **fp8_query_form_tile(form).launch_fields())
-        constexprs = hopper_constexprs(params, kv_fp8=True, sparse=False, splits=splits)
-        assert constexprs["V_IN_REGISTERS"] == in_registers, (form, splits)
-        if form != "narrow":  # the p @ v warpgroups' registers follow
-            assert constexprs["MMA_REGS"] == FP8_QUERY_WIDE_PV_REGS[in_registers], (form, splits)
+    n_regs = 1 << len(layout.reg_bases)
+    stores = []
+    for first in range(0, n_regs, vector):
+        lanes = []
+        for lane in range(32):
+            lr, lc = offset(lane, layout.lane_bases)
+            for reg in range(first, first + vector):
+                rr, rc = offset(reg, layout.reg_bases)
+                lanes.append(((lr ^ rr) * 512 + (lc ^ rc)) * element_bytes)
+        stores.append(lanes)
+    return stores
+
+
+# fp32 partials take the partial layout and bf16 outputs the store layout (whose fp32 stores would fill half sectors)
+@pytest.mark.parametrize("name,element_bytes,whole", [("_O_T_PARTIAL_LAYOUT", 4, True), ("_O_T_STORE_LAYOUT", 2, True),
+                                                      ("_O_T_STORE_LAYOUT", 4, False)])
+def test_the_wide_forms_output_stores_fill_whole_sectors(name, element_bytes, whole):
+    from mla_tune.backends.triton_mla import hopper_fp8_query_wide
+
+    layout = getattr(hopper_fp8_query_wide, name).value
+    vector = 16 // element_bytes  # 16-byte stores: the thread's first registers are adjacent columns
+    assert layout.reg_bases[:vector.bit_length() - 1] == [[0, 1 << i] for i in range(vector.bit_length() - 1)]
+    written = set()
+    for addresses in _warp_stores(layout, element_bytes, vector):
+        sectors = {a // 32 for a in addresses}
+        assert (len(sectors) * 32 == len(addresses) * element_bytes) == whole, (name, sorted(sectors))
+        written.update(addresses)
+    assert len(written) == 32 << len(layout.reg_bases)  # every element of warp 0's once
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
@@ -294,44 +321,35 @@ def test_the_fp8_query_form_compiles_to_e4m3_wgmma_without_casting_the_tiles(row
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q_len,slots,v_in_registers", [(1, 3, False), (2, 3, False), (1, 3, True), (1, 4, True),
-                                                        (2, 4, True)])
-def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_len, slots, v_in_registers):
+@pytest.mark.parametrize("q_len,slots", [(1, 3), (2, 3), (1, 4), (2, 4)])
+def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_len, slots):
     from offline_compile import hopper_compile
 
     from mla_tune.backends.triton_mla.config import FP8_QUERY_WIDE_PV_REGS
     from mla_tune.backends.triton_mla.hopper import hopper_smem_bytes
 
-    # v_in_registers: the p @ v warpgroups take v^T as their register operand (with four slots, and with three
-    # where the launch has one split)
+    # a launch with split partials (the helper's fp32 output)
     ptx, smem, report = hopper_compile(kv="fp8", rows=64, q_len=q_len, FP8_QUERY=True, TMA_KV=True, STAGES=slots,
-                                       SCORES_AHEAD=slots == 4, V_IN_REGISTERS=v_in_registers,
-                                       MMA_REGS=FP8_QUERY_WIDE_PV_REGS[v_in_registers])
+                                       SCORES_AHEAD=slots == 4, MMA_REGS=FP8_QUERY_WIDE_PV_REGS)
     # the scorer: 2 + 16 k-steps of m64n64k32 (rope, latent) a tile, the query from shared memory; each p @ v
-    # warpgroup: 2 k-steps of m64n256k32 on its v^T in shared memory, or 4 M blocks x 2 k-steps of m64n64k32 with
-    # v^T's four 32-bit registers of e4m3 as the A operand
+    # warpgroup: 4 M blocks x 2 k-steps of m64n64k32 with v^T's four 32-bit registers of e4m3 as the A operand
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
     register_a = re.findall(r"wgmma\.mma_async[^\n]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)
-    if v_in_registers:
-        assert set(mmas) == {("m64n64k32", "e4m3", "e4m3")} and len(mmas) == 18 + 2 * 8, mmas[:3]
-        assert len(register_a) == 2 * 8
-    else:
-        assert sorted(set(mmas)) == [("m64n256k32", "e4m3", "e4m3"), ("m64n64k32", "e4m3", "e4m3")], mmas[:3]
-        assert mmas.count(("m64n64k32", "e4m3", "e4m3")) == 18 and mmas.count(("m64n256k32", "e4m3", "e4m3")) == 4
-        assert not register_a
+    assert set(mmas) == {("m64n64k32", "e4m3", "e4m3")} and len(mmas) == 18 + 2 * 8, mmas[:3]
+    assert len(register_a) == 2 * 8
     # whole tiles go by TMA, as two 3-d boxes of half the latent columns and a 2-d one of the rope: the scorer
     # copies the first `slots` tiles, each p @ v warpgroup its half of every later one (the first with the rope);
-    # the scorer copies a partial tile by cp.async; each p @ v warpgroup stores its 256 columns of v^T with
-    # stmatrix, unless they are its registers
+    # the scorer copies a partial tile by cp.async; no v^T goes through shared memory
     assert _tma_copies(ptx) == {"3d": 2 * slots + 2, "2d": slots + 1} and "cp.async.cg.shared.global" in ptx
-    assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4", ptx)) == (0 if v_in_registers else 16)
+    assert "stmatrix" not in ptx
+    # each p @ v thread's 128 partial values as 32 16-byte stores, after a lane-pair shuffle of half of them
+    assert len(re.findall(r"st\.global[^\n]*\.v4\.b32", ptx)) == 2 * 32
+    assert len(re.findall(r"shfl\.sync", ptx)) >= 2 * 64
     # 12 warps at 168 registers: the p @ v warpgroups' 128-register accumulators fit
     assert re.search(r"\.maxnreg 168", ptx) and ".reqntid 384" in ptx
-    assert hopper_smem_bytes(block_n=64, stages=slots, rows=64, fp8_query=True,
-                             v_in_registers=v_in_registers) <= smem <= 227 * 1024, smem
-    # Triton 3.6 (what the GPU runs): at most 8 bytes with v^T in shared memory; in registers 12 bytes with four
-    # slots and 36 with three, none inside a loop; about 600 bytes with 3.9
-    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 640, report
+    assert hopper_smem_bytes(block_n=64, stages=slots, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
+    # Triton 3.6 (what the GPU runs): at most 8 bytes, none inside a loop; none with 3.9
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 8, report
 
 
 def _tma_copies(ptx: str) -> dict:
