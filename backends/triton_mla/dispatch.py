@@ -224,11 +224,14 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
     return (SPARSE_TILE_TABLE if sparse else TILE_TABLE)[(kind, bucket)]
 
 
-# The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this much work,
-# packed rows x batch x the longest request's tokens, and from 33 packed rows; below, 32-row narrow blocks over
-# each KV tile, which launch two to four times the programs.
-FP8_QUERY_WIDE_MIN_WORK = 1 << 22
-FP8_QUERY_WIDE_MIN_ROWS = 33
+# The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this many packed rows
+# (32-48 heads: the rows past the heads masked) and, by rows bucket, this much work, packed rows x batch x the longest
+# request's tokens; below, 32-row narrow blocks over each KV tile, which launch two to four times the programs. H200
+# (fp8-query-wide-h200.txt 29), against the earlier rule (from 33 rows and 2^22): 32 heads batch 16 kv 16k 0.92 /
+# 0.89 (ragged / uniform), batch 64 kv 4k 0.96; 128 heads at 2^21 (batch 1 kv 16k, batch 4 kv 4k, batch 16 kv 1k)
+# 0.96-1.01 ragged, 0.90-0.95 uniform.
+FP8_QUERY_WIDE_MIN_ROWS = 32
+FP8_QUERY_WIDE_MIN_WORK = {32: 1 << 22, 64: 1 << 21, 128: 1 << 21}
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -240,8 +243,6 @@ FP8Q_TMA = True
 # narrow form's 16-32 rows round quickly.
 FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 FP8Q_ROUNDED_QUERY_PDL = True
-# EXPERIMENT: the split partials' L2 evict-last hint also on longest-first launches (grid (m, entries, 1))
-PARTIAL_EVICT_LAST_ORDERED = False
 
 
 def rounds_query_before(params: LaunchParams) -> bool:
@@ -254,21 +255,18 @@ def rounds_query_before(params: LaunchParams) -> bool:
 # time. From 2^24 (fp8-query-wide-h200.txt 24): 1.05 and 1.09x the time at 64 heads batch 16
 # kv 16k and batch 64 kv 4k, 0.84x at 128 heads batch 128 kv 1k.
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 25
-# and from this many packed rows: at 32 heads from batch 64 at 16k tokens the four-slot form took 0.86 and 0.83x the
-# time of 32-row narrow programs (fp8-query-wide-h200.txt 25); below 2^25 the three-slot form was no faster there
-FP8_QUERY_WIDE_AHEAD_MIN_ROWS = 32
 
 
 def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) -> Tile:
-    """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: the narrow form for up to 32 packed rows
-    (16 rows for up to 16); above, the wide form where the shape has FP8_QUERY_WIDE_MIN_WORK (128 rows: two row
-    blocks over each KV tile), else 32-row narrow blocks; from FP8_QUERY_WIDE_AHEAD_MIN_WORK and 32 rows
-    (FP8_QUERY_WIDE_AHEAD_MIN_ROWS), the wide form with four slots and the scores a tile ahead."""
+    """The tile of the FP8-query backend (`LaunchParams.fp8_query`), dense: from FP8_QUERY_WIDE_MIN_ROWS the wide
+    form where the shape has FP8_QUERY_WIDE_MIN_WORK (128 rows: two row blocks over each KV tile), with four slots
+    and the scores a tile ahead from FP8_QUERY_WIDE_AHEAD_MIN_WORK; otherwise the narrow form, 16 rows for up to 16
+    packed rows, 32-row blocks above."""
     rows = packed_rows(num_heads, q_len, sparse=False)
     work = rows * batch * max_items
-    if rows >= FP8_QUERY_WIDE_AHEAD_MIN_ROWS and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
+    if rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
         return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
-    wide = rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_MIN_WORK
+    wide = rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_MIN_WORK[rows_bucket(rows)]
     bucket = 16 if rows <= 16 else 64 if wide else 32
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
@@ -301,7 +299,7 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) >= FP8_QUERY_WIDE_AHEAD_MIN_ROWS:
+    if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) >= FP8_QUERY_WIDE_MIN_ROWS:
         family += other_fp8_query_forms(default)
     if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query forms are refined in their splits
         if default.warp_specialized:

@@ -36,7 +36,8 @@ from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
-# Each p @ v warpgroup multiplies o^T = v^T p^T with v^T as wgmma's register operand, read from the slot in `_V_T_LOAD_LAYOUT` (thread (warp w, lane 4g + q): tokens 4q + j + 16k, j and k < 4, of columns 64w + 8g to
+# Each p @ v warpgroup multiplies o^T = v^T p^T with v^T as wgmma's register operand, read from the slot in
+# `_V_T_LOAD_LAYOUT` (thread (warp w, lane 4g + q): tokens 4q + j + 16k, j and k < 4, of columns 64w + 8g to
 # 64w + 8g + 7, 8-byte loads) and transposed in registers (byte permutes), no v^T stores. Accumulator row
 # m = 64b + 16w + 8h + g holds latent column 64w + 8g + 2b + h: the rows wgmma gives thread (w, g) in its four M
 # blocks are then its own 8 columns.

@@ -57,25 +57,24 @@ def test_every_hopper_form_runs_12_warps_as_its_maxnreg_assumes():
 
 
 def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_enough_work():
-    from mla_tune.backends.triton_mla.dispatch import FP8_QUERY_WIDE_MIN_WORK, fp8_query_tile
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
 
     big = dict(batch=128, max_items=16384)
     for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (32, 1, 64), (33, 1, 64),
                                (20, 2, 64), (64, 1, 64), (128, 2, 64)):
         tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
-    # rows x batch x the longest request: 64 heads from batch 64 at 1k tokens, 16 at 4k and 4 at 16k, 128 heads
-    # from batch 8 at 4k; four slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens), and so from 32
-    # rows (32 heads from batch 64 at 16k tokens)
-    work = FP8_QUERY_WIDE_MIN_WORK
+    # rows x batch x the longest request: from 2^21 with 64 or 128 heads (64 heads from batch 32 at 1k tokens, 8 at
+    # 4k and 2 at 16k; 128 heads from batch 16 at 1k, 4 at 4k, 1 at 16k), from 2^22 with 32 (batch 16 at 8k); four
+    # slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens; 32 heads from batch 64 at 16k)
     for heads, batch, max_items, rows, slots in (
-            (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3),
-            (64, 4, 16384, 64, 3), (64, 8, 4096, 32, 3), (64, 32, 2048, 64, 3), (64, 16, 2048, 32, 3),
-            (128, 4, 16384, 64, 3), (128, 8, 4096, 64, 3), (128, 4, 4096, 32, 3), (128, 16, 1024, 32, 3),
-            (128, 1, work // 128, 64, 3), (32, 128, 4096, 32, 3),
+            (64, 128, 1024, 64, 3), (64, 32, 1024, 64, 3), (64, 16, 1024, 32, 3), (64, 8, 4096, 64, 3),
+            (64, 4, 4096, 32, 3), (64, 2, 16384, 64, 3), (64, 1, 16384, 32, 3), (64, 16, 2048, 64, 3),
+            (128, 1, 16384, 64, 3), (128, 4, 4096, 64, 3), (128, 2, 4096, 32, 3), (128, 16, 1024, 64, 3),
+            (128, 8, 1024, 32, 3), (32, 16, 8192, 64, 3), (32, 16, 4096, 32, 3), (32, 64, 1024, 32, 3),
+            (32, 128, 1024, 64, 3), (32, 32, 16384, 64, 3),
             (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 4), (64, 16, 16384, 64, 3),
-            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (32, 32, 16384, 32, 3),
-            (20, 128, 16384, 32, 3)):
+            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (20, 128, 16384, 32, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
         assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
     # the dispatch gives it whatever the shape; the tuner's refinement also times the other forms from 32 rows,

@@ -139,21 +139,23 @@ def test_launch_hints_the_partials_only_where_there_are_splits(monkeypatch):
     seen = []
     kernel_params = set(hopper._mla_hopper_kernel.arg_names) | {"num_warps", "maxnreg"}
 
-    class RecordingKernel:  # stands in for the Gluon kernel: records the split count and the hint (no GPU here)
+    class RecordingKernel:  # stands in for the Gluon kernel: records the hint (no GPU here)
         def __getitem__(self, grid):
             def launch_(*args, **kw):
                 assert set(kw) <= kernel_params, set(kw) - kernel_params  # every keyword is one the kernel takes
-                seen.append((grid[2], kw["PARTIAL_EVICT_LAST"]))
+                seen.append(kw["PARTIAL_EVICT_LAST"])
             return launch_
 
     monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
     cuda_q = type("CudaTensor", (), {"is_cuda": True})()  # `_launch_hopper` refuses CPU tensors
     kv = torch.empty(1, 64, 576, dtype=torch.bfloat16)
-    params = LaunchParams(**dispatch.HOPPER_TOKEN_SPLIT_TILE.launch_fields())
-    for splits in (1, 2, 8):
-        launcher._launch_hopper((), (1, 1, splits), {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params,
-                              tiles=4)
-    assert seen == [(1, False), (2, True), (8, True)]
+    fields = dispatch.HOPPER_TOKEN_SPLIT_TILE.launch_fields()
+    # a grid over (row blocks, requests, splits), and a longest-first one over (row blocks, programs, 1)
+    for splits, grid in ((1, (1, 1, 1)), (2, (1, 1, 2)), (8, (1, 1, 8)), (8, (1, 40, 1))):
+        launcher._launch_hopper((), grid, {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, tiles=4,
+                                params=LaunchParams(**fields, num_splits=splits, split_items=512,
+                                                    longest_first=grid[2] == 1))
+    assert seen == [False, True, True, True]
 
 
 def test_the_loader_ahead_is_not_given_a_cache_it_cannot_read_as_words(monkeypatch):
