@@ -227,11 +227,12 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this many packed rows
 # (32-48 heads: the rows past the heads masked) and, by rows bucket, this much work, packed rows x batch x the longest
 # request's tokens; below, 32-row narrow blocks over each KV tile, which launch two to four times the programs. H200
-# (fp8-query-wide-h200.txt 29), against the earlier rule (from 33 rows and 2^22): 32 heads batch 16 kv 16k 0.92 /
-# 0.89 (ragged / uniform), batch 64 kv 4k 0.96; 128 heads at 2^21 (batch 1 kv 16k, batch 4 kv 4k, batch 16 kv 1k)
-# 0.96-1.01 ragged, 0.90-0.95 uniform.
+# (fp8-query-wide-h200.txt 29), ragged / uniform lengths, against the rule before (from 33 rows and 2^22): 32 heads
+# batch 16 kv 16k 0.92 / 0.89, batch 64 kv 4k 0.96; 128 heads from 2^21: batch 1 kv 16k 0.96 / 0.95, batch 4 kv 4k
+# 1.01 / 0.90; at 2^21, 32 heads 1.03-1.08x slower (3 of 3 shapes), 64 heads 1.03 and 1.05x (2 of 3); 32 heads
+# from 2^23 1.11x slower at batch 128 kv 1k.
 FP8_QUERY_WIDE_MIN_ROWS = 32
-FP8_QUERY_WIDE_MIN_WORK = {32: 1 << 22, 64: 1 << 21, 128: 1 << 21}
+FP8_QUERY_WIDE_MIN_WORK = {32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -252,8 +253,9 @@ def rounds_query_before(params: LaunchParams) -> bool:
 
 # From this much work the wide form runs four token slots and issues each tile's score MMAs before the previous
 # tile's softmax (HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, constexpr SCORES_AHEAD); below, three slots, one tile at a
-# time. From 2^24 (fp8-query-wide-h200.txt 24): 1.05 and 1.09x the time at 64 heads batch 16
-# kv 16k and batch 64 kv 4k, 0.84x at 128 heads batch 128 kv 1k.
+# time. H200, ragged (fp8-query-wide-h200.txt 29): from 2^24 1.06, 1.03 and 1.03x the time at 64 heads batch 64 kv
+# 4k, 32 and 64 heads batch 16 kv 16k; from 2^26 1.16x at 32 heads batch 64 kv 16k. From 32 rows (32 heads batch
+# 64 / 128 kv 16k: 0.86 / 0.83 of 32-row narrow programs, 25).
 FP8_QUERY_WIDE_AHEAD_MIN_WORK = 1 << 25
 
 
