@@ -256,7 +256,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
     mbarrier.wait(l_bar, 0)
     out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, ROWS]).permute((4, 1, 3, 0, 2)), [ROWS, 256])
     out = gl.convert_layout(out, _O_T_STORE_LAYOUT)
-    if prog.o_ptr.dtype.element_ty == gl.float32:  # split partials
+    if prog.o_ptr.dtype.element_ty == gl.float32:  # split partials (or an fp32 output)
         # rows 32 a + 16 b + r: (a, b) as trailing dims, split into four 16-row pieces
         lo, hi = gl.split(gl.reshape(out, [2, 2, 16, 256]).permute((2, 3, 0, 1)))
         lo0, lo1 = gl.split(lo)
