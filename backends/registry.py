@@ -200,7 +200,7 @@ BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
         summary="mla-tune's Triton sparse (top-k) decode kernel"),
     BackendInfo(
         "MLA_TUNE_TRITON_FP8Q",
-        # The narrow Hopper form with e4m3 products (wgmma, SM90): an e4m3 cache, q and p rounded to e4m3.
+        # The Hopper FP8-query forms, narrow and wide (e4m3 products on wgmma, SM90): an e4m3 cache, q and p rounded.
         Capabilities(**{**_TRITON, "kv_cache_dtypes": frozenset({"fp8_e4m3"}), "min_cc": (9, 0)},
                      cc_majors=frozenset({9}), fp8_quantizes_query=True, page_size_multiple=16),
         adapter="mla_tune.backends.triton_mla.adapter:TritonMLAFp8Query",

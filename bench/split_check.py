@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import itertools
@@ -137,9 +138,10 @@ def check_dispatch(mods: dict, grid_axes: tuple = DISPATCH_GRID) -> list[str]:
                        f"{old_tiles != new_tiles}")
         if new.warp_specialized:
             for n_splits, tiles, words in ((1, None, True), (4, 4, True), (2, 16, True), (1, 8, False)):
-                kw = dict(kv_fp8=fp8, sparse=sparse, splits=n_splits, tiles=tiles, kv_words=words)
-                form = dispatch.hopper_constexprs(new, **kw)
-                if form.pop("DS_MLA") or _old_constexprs(old_launch, old, **kw) != form:  # DS_MLA: new, off here
+                kw = dict(kv_fp8=fp8, sparse=sparse, tiles=tiles, kv_words=words)
+                # the new package reads the split count from the launch's params, the old took it as an argument
+                form = dispatch.hopper_constexprs(dataclasses.replace(new, num_splits=n_splits), **kw)
+                if form.pop("DS_MLA") or _old_constexprs(old_launch, old, splits=n_splits, **kw) != form:  # DS_MLA: new
                     bad.append(f"constexprs {facts} {kw}")
     print(f"dispatch: {n} shapes compared, {len(bad)} mismatches")
     return bad
@@ -197,11 +199,10 @@ def _hopper_cases(dispatch, config) -> list[tuple]:
              "narrow16": dispatch.HOPPER_TILES[16], "qk1": dispatch.HOPPER_QK1_TILE}
     cases = []
     for (name, tile), fp8, sparse in itertools.product(forms.items(), (False, True), (False, True)):
-        params = config.LaunchParams(**tile.launch_fields())
         for q_len, splits, tiles in ((1, 1, None), (2, 4, 4)):
+            params = config.LaunchParams(**tile.launch_fields(), num_splits=splits)
             cases.append((f"{name} {'fp8' if fp8 else 'bf16'} {'sparse' if sparse else 'dense'} q_len {q_len} "
-                          f"splits {splits}", params, q_len, dict(kv_fp8=fp8, sparse=sparse, splits=splits,
-                                                                  tiles=tiles)))
+                          f"splits {splits}", params, q_len, dict(kv_fp8=fp8, sparse=sparse, tiles=tiles)))
     return cases
 
 
@@ -216,9 +217,9 @@ def check_ptx(mods: dict, old_pkg) -> list[str]:
     for label, params, q_len, kw in _hopper_cases(dispatch, config):
         base = dict(Q_LEN=q_len, PAGE_SIZE=64, BLOCK_N=params.block_n, SPARSE=kw["sparse"], KV_SCALE_IS_PTR=False)
         options = {"num_warps": params.num_warps, "maxnreg": config.HOPPER_MAXNREG}
-        old_const = {**base, **old_launch.hopper_form(params, **kw)}
+        old_const = {**base, **old_launch.hopper_form(params, splits=params.num_splits, **kw)}
         new_const = {**base, **dispatch.hopper_constexprs(params, **kw)}
-        same = dict(fp8=kw["kv_fp8"], gluon=True, options=options, o_fp32=kw["splits"] > 1)
+        same = dict(fp8=kw["kv_fp8"], gluon=True, options=options, o_fp32=params.num_splits > 1)
         old_ptx = _compile(old_hopper._mla_hopper_kernel, old_const, **same)
         new_ptx = _compile(new_hopper._mla_hopper_kernel, new_const, **same)
         n += 1

@@ -106,7 +106,7 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
     form = None
     if params.warp_specialized:
         form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
-                                              sparse=problem.sparse, splits=splits,
+                                              sparse=problem.sparse,
                                               tiles=-(-params.split_items // params.block_n),
                                               ds_mla=problem.kv_cache_dtype == "fp8_ds_mla").items()))
     # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.

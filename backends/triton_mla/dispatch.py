@@ -327,7 +327,7 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = Fals
     return HOPPER_STAGED_LOADERS[sparse]
 
 
-def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, splits: int, tiles: int | None = None,
+def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles: int | None = None,
                       kv_words: bool = True, ds_mla: bool = False) -> dict:
     """The Hopper kernel's constexprs that pick its form, registers and per-form switches for `params`.
 
@@ -351,7 +351,7 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, split
     return dict(
         STAGES=params.num_stages, KV_FP8=kv_fp8, N_ROWS=params.block_h, LOAD_REGS=load_regs,
         STAGED_LOADERS=staged_loaders(kv_fp8=kv_fp8, rows=params.block_h, sparse=sparse, ds_mla=ds_mla),
-        PARTIAL_EVICT_LAST=splits > 1, QK1=qk1,
+        PARTIAL_EVICT_LAST=params.num_splits > 1, QK1=qk1,
         MMA_REGS=QK1_WORKER_REGS if qk1 else FP8_QUERY_WIDE_PV_REGS if wide else 0,
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,

@@ -347,12 +347,19 @@ def _store_out(ptrs, values, mask, EVICT_LAST: gl.constexpr):
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, prog: Program, o_layout: gl.constexpr, rows_m: gl.constexpr, COL0: gl.constexpr,
-              N_COLS: gl.constexpr, WRITE_LSE: gl.constexpr):
+              N_COLS: gl.constexpr, WRITE_LSE: gl.constexpr, ROW0: gl.constexpr = 0):
     """The 64-row forms' epilogue (the program's rows on M): output columns `COL0 .. COL0 + N_COLS - 1` of `acc` (in
     `o_layout`) normalised by the row sums (the partial or final output) and, with `WRITE_LSE`, the LSE from the
-    base-2 running max `m_i` (in `rows_m`); `l_i` in any row layout."""
+    base-2 running max `m_i` (in `rows_m`); `l_i` in any row layout. An `acc` of fewer rows (dense) is the program's
+    rows `ROW0 ..` (a piece of a larger output; no LSE)."""
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    qi_o, h_o, ok_o = _rows(prog.pid_m, prog.num_heads, rows_o, prog.Q_LEN, prog.SPARSE)
+    N_ROWS: gl.constexpr = acc.shape[0]
+    if N_ROWS == ROWS:
+        qi_o, h_o, ok_o = _rows(prog.pid_m, prog.num_heads, rows_o, prog.Q_LEN, prog.SPARSE)
+    else:  # the piece as the (ROWS / N_ROWS x pid_m + ROW0 / N_ROWS)-th block of N_ROWS rows
+        gl.static_assert(not prog.SPARSE and not WRITE_LSE, "row pieces: dense, without the LSE")
+        qi_o, h_o, ok_o = _rows(prog.pid_m * (ROWS // N_ROWS) + ROW0 // N_ROWS, prog.num_heads, rows_o, prog.Q_LEN,
+                                prog.SPARSE, N_ROWS)
     cols_o = COL0 + gl.arange(0, N_COLS, layout=gl.SliceLayout(0, o_layout))
     o_row = (prog.o_ptr + prog.b.to(gl.int64) * prog.stride_ob + prog.split * prog.stride_os + qi_o * prog.stride_ot
              + h_o * prog.stride_oh)

@@ -30,8 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _inv_sums, _partition_barrier, _rows, _store_lse, _store_out,
-    _store_query_e4m3, _tile_positions)
+    ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
+    _tile_positions)
 from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, tma_reads, tma_tile
 
 P_BUFFERS = gl.constexpr(2)
@@ -217,17 +217,10 @@ _O_T_PARTIAL_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
 def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constexpr):
     """Rows `ROW0 .. ROW0 + 15` of the fp32 split partial, columns `COL0 .. COL0 + 255` (`x`, their unnormalised
     output), through lane-pair shuffles into `_O_T_PARTIAL_LAYOUT` (16 rows at a time: all 64 at once spilled)."""
-    x = gl.convert_layout(x, _O_T_PARTIAL_LAYOUT)
     rows_l: gl.constexpr = gl.SliceLayout(1, _O_T_PARTIAL_LAYOUT)
-    r = prog.pid_m * ROWS + ROW0 + gl.arange(0, 16, layout=rows_l)
-    qi = r // prog.num_heads
-    h = r % prog.num_heads
-    cols = COL0 + gl.arange(0, 256, layout=gl.SliceLayout(0, _O_T_PARTIAL_LAYOUT))
-    o_row = (prog.o_ptr + prog.b.to(gl.int64) * prog.stride_ob + prog.split * prog.stride_os + qi * prog.stride_ot
-             + h * prog.stride_oh)
-    inv_l = _inv_sums(l_smem.slice(ROW0, 16).load(rows_l), prog.out_scale)
-    _store_out(o_row[:, None] + cols[None, :], x * inv_l[:, None],
-               ((r < prog.Q_LEN * prog.num_heads) & prog.store_o)[:, None], prog.EVICT_LAST)
+    l_i = l_smem.slice(ROW0, 16).load(rows_l)
+    _epilogue(gl.convert_layout(x, _O_T_PARTIAL_LAYOUT), l_i, l_i, prog, _O_T_PARTIAL_LAYOUT, rows_l, COL0, 256, False,
+              ROW0)
 
 
 @gluon.jit

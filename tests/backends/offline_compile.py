@@ -146,7 +146,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
         rounded_query = rounds_query_before(params)
     const = _constexpr_defaults(_mla_hopper_kernel)
     const.update(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse, KV_SCALE_IS_PTR=False,
-                 **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, splits=1, ds_mla=ds_mla))
+                 **hopper_constexprs(params, kv_fp8=fp8, sparse=sparse, ds_mla=ds_mla))
     const.update(overrides)
     q_type = "*fp16" if kv == "fp16" else "*bf16"
     pointers = {**_POINTERS, "q_ptr": q_type, "kv_ptr": "*fp8e4nv" if fp8 else q_type}

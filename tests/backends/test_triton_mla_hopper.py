@@ -295,7 +295,7 @@ def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, 
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
                             cc_major=9, num_sms=132, lengths=[4096] * batch)
     assert params.warp_specialized, params
-    form = hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)
+    form = hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)
     assert form["QUERY_IN_CONSUMER"] is inside, (params.label(), form)
 
 
@@ -329,7 +329,7 @@ def test_launch_picks_the_query_columns_in_registers_by_form(heads, kv_fp8, spar
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
                             cc_major=9, num_sms=132, lengths=[4096] * batch)
     assert params.warp_specialized, params
-    form = hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)
+    form = hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)
     assert form["QUERY_REG_COLS"] == cols, form
 
 
@@ -389,11 +389,11 @@ def test_launch_gives_the_loader_ahead_to_sparse_and_short_dense_fp8_qk1_program
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=kv_len, sparse=sparse, kv_fp8=True,
                             cc_major=9, num_sms=132, lengths=[kv_len] * batch)
     tiles = -(-params.split_items // params.block_n)  # as `launcher.launch` gives it
-    form = hopper_constexprs(params, kv_fp8=True, sparse=sparse, splits=params.num_splits, tiles=tiles)
+    form = hopper_constexprs(params, kv_fp8=True, sparse=sparse, tiles=tiles)
     assert form["LOADER_AHEAD"] is ahead, (params.label(), tiles, form)
     assert form["LOAD_REGS"] == HOPPER_LOAD_REGS["fp8_ahead" if ahead else "fp8"], form
     if not sparse:  # without the tile count (an offline compile) dense never takes it
-        assert not hopper_constexprs(params, kv_fp8=True, sparse=False, splits=params.num_splits)["LOADER_AHEAD"]
+        assert not hopper_constexprs(params, kv_fp8=True, sparse=False)["LOADER_AHEAD"]
 
 
 @pytest.mark.slow
@@ -428,7 +428,7 @@ def test_launch_prefetches_into_l2_by_form(heads, kv_fp8, sparse, prefetch):
     params = default_params(num_heads=heads, q_len=1, batch=64, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
                             cc_major=9, num_sms=132, lengths=[4096] * 64)
     assert params.warp_specialized, params
-    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse, splits=params.num_splits)["L2_PREFETCH"] is prefetch
+    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["L2_PREFETCH"] is prefetch
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -438,7 +438,7 @@ def test_the_qk1_fp8_form_prefetches_into_l2(sparse):
 
     params = params_from_tile(HOPPER_QK1_TILE, num_heads=128, q_len=1, batch=64, max_items=4096, num_sms=132,
                               sparse=sparse, lengths=[4096] * 64)
-    form = hopper_constexprs(params, kv_fp8=True, sparse=sparse, splits=params.num_splits)
+    form = hopper_constexprs(params, kv_fp8=True, sparse=sparse)
     assert form["QK1"] and form["L2_PREFETCH"]
 
 
@@ -707,7 +707,7 @@ def test_gpu_sparse_fp8_at_batch_64_takes_the_qk1_form_with_the_prefetch_and_mat
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     params = default_params(num_heads=heads, q_len=1, batch=64, max_items=2048, num_sms=sms, sparse=True,
                             kv_fp8=True, lengths=[2048] * 64, cc_major=9)
-    form = hopper_constexprs(params, kv_fp8=True, sparse=True, splits=params.num_splits)
+    form = hopper_constexprs(params, kv_fp8=True, sparse=True)
     assert params.kernel_form == "qk1" and form["QK1"] and form["L2_PREFETCH"] and form["LOADER_AHEAD"], (params, form)
     r = _run_case(problem, Shape(64, 3000), device="cuda", params=params)
     assert not r["nan"] and r["unseen_rows_ok"] and r["rel_err"] < _tol("fp8_e4m3") and r["lse_err"] < 1e-2, r
