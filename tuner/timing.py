@@ -11,8 +11,12 @@ times"). The protocol:
    about `min_replay_ms`, so that launch overhead and event resolution vanish.
 3. `time_interleaved` replays every candidate's graph round-robin, the order
    rotating each round so clock and thermal drift favour no one, timing each
-   replay with CUDA events, until each median's distribution-free confidence
-   interval is within `rel_ci_target` of it or the time cap is reached.
+   replay with CUDA events, until every median's distribution-free confidence
+   interval is within `rel_ci_target` of it or the time cap is reached. Every
+   round times every candidate, so all medians cover the same stretch of time:
+   a candidate dropped once it converged would keep only early samples while
+   a slower-to-converge one also took late ones, under whatever drift the
+   clocks had by then.
 
 Tests inject a fake bench: any callable with `time_interleaved`'s signature
 (see `fake_bench`). Without CUDA, `time_interleaved` falls back to wall-clock
@@ -236,15 +240,15 @@ def _converged(samples: list[float], rel_ci_target: float, min_samples: int) -> 
 def time_interleaved(steps: Mapping[str, Callable[[], object]], *, rel_ci_target: float = 0.01,
                      max_seconds: float = 2.0, min_samples: int = 5, max_samples: int = 100,
                      warmup: int = 3) -> dict[str, Timing]:
-    """Time every candidate round-robin until each median is known to `rel_ci_target`.
+    """Time every candidate round-robin until every median is known to `rel_ci_target`.
 
     Args:
         steps: name -> callable launching one sample (a `GraphStep`, or any
             callable; `iterations_per_replay` on it divides the sample).
-        rel_ci_target: stop a candidate when its 95 % CI half-width <= this x median.
+        rel_ci_target: stop once every candidate's 95 % CI half-width <= this x its median.
         max_seconds: wall-clock cap for the whole loop (warm-up excluded).
         min_samples: samples each candidate gets at least (time cap permitting one round).
-        max_samples: samples after which a candidate stops.
+        max_samples: rounds after which the loop stops (every candidate has one sample a round).
         warmup: untimed calls of each candidate first.
 
     Returns:
@@ -266,12 +270,11 @@ def time_interleaved(steps: Mapping[str, Callable[[], object]], *, rel_ci_target
         torch.cuda.synchronize()
     per_sample = {name: int(getattr(steps[name], "iterations_per_replay", 1)) for name in names}
     samples: dict[str, list[float]] = {name: [] for name in names}
-    active = list(names)
     deadline = time.perf_counter() + max_seconds
     round_index = 0
-    while active:
-        shift = round_index % len(active)
-        order = active[shift:] + active[:shift]
+    while True:
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
         if on_cuda:
             events = []
             for name in order:
@@ -289,9 +292,8 @@ def time_interleaved(steps: Mapping[str, Callable[[], object]], *, rel_ci_target
                 steps[name]()
                 samples[name].append((time.perf_counter() - t0) * 1e3 / per_sample[name])
         round_index += 1
-        active = [n for n in active if len(samples[n]) < max_samples
-                  and not _converged(samples[n], rel_ci_target, min_samples)]
-        if time.perf_counter() > deadline:
+        if round_index >= max_samples or time.perf_counter() > deadline or all(
+                _converged(samples[n], rel_ci_target, min_samples) for n in names):
             break
     result = {}
     for name in names:

@@ -86,6 +86,23 @@ def test_converged_candidate_stops_early():
     assert result["steady"].samples < 50
 
 
+def test_every_round_times_every_candidate_until_all_converge():
+    # "noisy" alternates 1 and 6 ms, so its median's CI never reaches 5 %; "steady" would alone after 9 samples
+    calls: list[str] = []
+    noisy_sleeps = iter([0.001, 0.006] * 100)
+
+    def noisy():
+        calls.append("noisy")
+        time.sleep(next(noisy_sleeps))
+
+    steps = {"steady": sleeper(0.002, calls, "steady"), "noisy": noisy}
+    result = time_interleaved(steps, rel_ci_target=0.05, max_seconds=5.0, min_samples=9, max_samples=30,
+                              warmup=0)
+    assert result["steady"].samples == result["noisy"].samples == 30
+    rounds = [set(calls[i:i + 2]) for i in range(0, len(calls), 2)]
+    assert rounds == [{"steady", "noisy"}] * 30, "a round left a candidate out"
+
+
 def test_fake_bench_has_the_same_signature_and_calls_steps():
     called = []
     bench = fake_bench({"A": 1.0, "B": 2.0}, rel_spread=0.01)
