@@ -225,14 +225,16 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 
 
 # The FP8-query backend's wide form (64 rows a program: a scorer and two p @ v warpgroups) from this many packed rows
-# (32-48 heads: the rows past the heads masked) and, by rows bucket, this much work, packed rows x batch x the longest
-# request's tokens; below, 32-row narrow blocks over each KV tile, which launch two to four times the programs. H200
-# (fp8-query-wide-h200.txt 29), ragged / uniform lengths, against the rule before (from 33 rows and 2^22): 32 heads
-# batch 16 kv 16k 0.92 / 0.89, batch 64 kv 4k 0.96; 128 heads from 2^21: batch 1 kv 16k 0.96 / 0.95, batch 4 kv 4k
-# 1.01 / 0.90; at 2^21, 32 heads 1.03-1.08x slower (3 of 3 shapes), 64 heads 1.03 and 1.05x (2 of 3); 32 heads
-# from 2^23 1.11x slower at batch 128 kv 1k.
-FP8_QUERY_WIDE_MIN_ROWS = 32
-FP8_QUERY_WIDE_MIN_WORK = {32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
+# (16-48 heads: the rows past the heads masked) and, by rows bucket, this much work, packed rows x batch x the longest
+# request's tokens; below, the narrow form (16 rows, or 32-row blocks over each KV tile, which launch two to four
+# times the programs). H200 (fp8-query-wide-h200.txt 29), ragged / uniform lengths, against the rule before (from 33
+# rows and 2^22): 32 heads batch 16 kv 16k 0.92 / 0.89, batch 64 kv 4k 0.96; 128 heads from 2^21: batch 1 kv 16k
+# 0.96 / 0.95, batch 4 kv 4k 1.01 / 0.90; at 2^21, 32 heads 1.03-1.08x slower (3 of 3 shapes), 64 heads 1.03 and
+# 1.05x (2 of 3); 32 heads from 2^23 1.11x slower at batch 128 kv 1k. 16 heads (30): from 2^24 over the 16-row
+# narrow form, batch 64 kv 16k 0.98 / 0.96, batch 128 kv 16k (four slots) 0.97 / 0.94; at 2^22-2^23 up to 1.07x
+# slower with ragged lengths. 20 and 24 heads (30, ragged) over the 32-row blocks: 0.83-0.98 from 2^22.
+FP8_QUERY_WIDE_MIN_ROWS = 16
+FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 24, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -269,24 +271,25 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     if rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
         return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
     wide = rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_MIN_WORK[rows_bucket(rows)]
-    bucket = 16 if rows <= 16 else 64 if wide else 32
+    bucket = 64 if wide else 16 if rows <= 16 else 32
     return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
 
 
-# The FP8-query forms from 32 packed rows, by name: 32-row narrow blocks, the wide form with three slots, and with
-# four and the scores ahead.
+# The FP8-query forms from FP8_QUERY_WIDE_MIN_ROWS packed rows, by name: the narrow form (32-row blocks; 16 rows up
+# to 16), the wide form with three slots, and with four and the scores ahead.
 FP8_QUERY_FORMS = {"narrow": HOPPER_FP8_QUERY_SHAPES[32], "wide": HOPPER_FP8_QUERY_SHAPES[64],
                    "ahead": HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE}
 
 
-def fp8_query_form_tile(form: str) -> Tile:
-    """The FP8-query tile of `form` (a key of FP8_QUERY_FORMS)."""
-    return hopper_tile(FP8_QUERY_FORMS[form]).replace(fp8_query=True)
+def fp8_query_form_tile(form: str, rows: int = 32) -> Tile:
+    """The FP8-query tile of `form` (a key of FP8_QUERY_FORMS) for `rows` packed rows."""
+    shape = HOPPER_FP8_QUERY_SHAPES[16] if form == "narrow" and rows <= 16 else FP8_QUERY_FORMS[form]
+    return hopper_tile(shape).replace(fp8_query=True)
 
 
-def other_fp8_query_forms(tile: Tile) -> list[Tile]:
-    """For 32 or more packed rows: the FP8-query tiles of the forms (FP8_QUERY_FORMS) `tile` is not."""
-    return [t for t in map(fp8_query_form_tile, FP8_QUERY_FORMS) if t != tile]
+def other_fp8_query_forms(tile: Tile, rows: int) -> list[Tile]:
+    """The FP8-query tiles for `rows` packed rows of the forms (FP8_QUERY_FORMS) `tile` is not."""
+    return [t for t in (fp8_query_form_tile(form, rows) for form in FP8_QUERY_FORMS) if t != tile]
 
 
 def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, sparse: bool = False,
@@ -294,15 +297,16 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
                     fp8_query: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
     at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows; FP8-query: all three of its
-    forms from 32 rows), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
+    forms from FP8_QUERY_WIDE_MIN_ROWS), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
     `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    if fp8_query and packed_rows(num_heads, q_len, sparse=sparse) >= FP8_QUERY_WIDE_MIN_ROWS:
-        family += other_fp8_query_forms(default)
+    rows = packed_rows(num_heads, q_len, sparse=sparse)
+    if fp8_query and rows >= FP8_QUERY_WIDE_MIN_ROWS:
+        family += other_fp8_query_forms(default, rows)
     if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query forms are refined in their splits
         if default.warp_specialized:
             family.append(table_tile(_kind(kv_fp8 or ds_mla), bucket, batch=batch, sparse=sparse, cc_major=cc_major))

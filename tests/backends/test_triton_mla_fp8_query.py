@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from mla_tune.backends.inputs import make_inputs  # noqa: E402
 from mla_tune.backends.problem import DeviceSpec, Problem, Shape  # noqa: E402
 from mla_tune.backends.reference import mla_reference  # noqa: E402
-from mla_tune.backends.triton_mla.dispatch import FP8_QUERY_FORMS  # noqa: E402
+from mla_tune.backends.triton_mla.dispatch import FP8_QUERY_FORMS, FP8_QUERY_WIDE_MIN_ROWS  # noqa: E402
 from test_triton_mla import _ramp_keys  # noqa: E402
 
 H100 = DeviceSpec("NVIDIA H100 80GB HBM3", (9, 0))
@@ -60,36 +60,42 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
     from mla_tune.backends.triton_mla.dispatch import fp8_query_tile
 
     big = dict(batch=128, max_items=16384)
-    for heads, q_len, rows in ((1, 1, 16), (16, 1, 16), (8, 2, 16), (20, 1, 32), (32, 1, 64), (33, 1, 64),
-                               (20, 2, 64), (64, 1, 64), (128, 2, 64)):
+    for heads, q_len, rows in ((1, 1, 16), (15, 1, 16), (16, 1, 64), (8, 2, 64), (20, 1, 64), (32, 1, 64),
+                               (33, 1, 64), (20, 2, 64), (64, 1, 64), (128, 2, 64)):
         tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
     # rows x batch x the longest request: from 2^21 with 128 heads (from batch 16 at 1k tokens, 4 at 4k, 1 at 16k),
     # from 2^22 with 32 and 64 (64 heads from batch 64 at 1k, 16 at 4k, 4 at 16k; 32 heads batch 16 at 8k); four
-    # slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens; 32 heads from batch 64 at 16k)
+    # slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens; 32 heads from batch 64 at 16k); 16
+    # heads from 2^24 (batch 64 at 16k)
     for heads, batch, max_items, rows, slots in (
+            (16, 64, 16384, 64, 3), (16, 32, 16384, 16, 3), (16, 128, 4096, 16, 3), (16, 128, 16384, 64, 4),
             (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3),
             (64, 8, 4096, 32, 3), (64, 4, 16384, 64, 3), (64, 2, 16384, 32, 3), (64, 16, 2048, 32, 3),
             (128, 1, 16384, 64, 3), (128, 4, 4096, 64, 3), (128, 2, 4096, 32, 3), (128, 16, 1024, 64, 3),
             (128, 8, 1024, 32, 3), (32, 16, 8192, 64, 3), (32, 16, 4096, 32, 3), (32, 64, 1024, 32, 3),
             (32, 128, 1024, 64, 3), (32, 32, 16384, 64, 3),
             (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 4), (64, 16, 16384, 64, 3),
-            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (20, 128, 16384, 32, 3)):
+            (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (20, 128, 16384, 64, 4),
+            (20, 64, 4096, 64, 3), (20, 16, 4096, 32, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
         assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
-    # the dispatch gives it whatever the shape; the tuner's refinement also times the other forms from 32 rows,
+    # the dispatch gives it whatever the shape; the tuner's refinement also times the other forms from 16 rows,
     # and otherwise varies its splits only
     from mla_tune.backends.triton_mla.dispatch import candidate_tiles, default_tile
 
-    for heads, batch, other in ((64, 128, 32), (64, 1, 64), (32, 128, 64), (20, 128, None)):
+    for heads, batch, other in ((64, 128, 32), (64, 1, 64), (32, 128, 64), (20, 128, 64), (16, 128, 16),
+                                (15, 128, None)):
         facts = dict(num_heads=heads, q_len=1, batch=batch, max_items=16384, kv_fp8=True, cc_major=9)
         default = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=16384)
         assert default_tile(**facts, fp8_query=True) == default
         tiles = candidate_tiles(**facts, fp8_query=True)
         assert tiles[0] == default and len(tiles) > 1 and all(t.fp8_query for t in tiles)
         forms = {t.replace(min_split_tokens=0) for t in tiles}
-        # from 32 rows all three forms: 32-row narrow blocks, the wide form with three slots and with four
-        assert {(t.block_h, t.num_stages) for t in forms} == ({(32, 3), (64, 3), (64, 4)} if other else
+        # from 16 rows all three forms: the narrow form (16 rows, or 32-row blocks), the wide form with three slots
+        # and with four
+        assert {(t.block_h, t.num_stages) for t in forms} == ({(16 if heads <= 16 else 32, 3), (64, 3),
+                                                               (64, 4)} if other else
                                                               {(default.block_h, default.num_stages)}), tiles
         assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
@@ -394,7 +400,12 @@ def _hopper() -> bool:
 
 
 hopper_only = pytest.mark.skipif(not _hopper(), reason="the FP8-query form needs an SM90 GPU")
-FORMS = tuple(FP8_QUERY_FORMS)  # above 32 packed rows (`_fp8_query_case`)
+FORMS = tuple(FP8_QUERY_FORMS)
+
+
+def _forms(rows: int) -> tuple:
+    """Every FP8-query form from FP8_QUERY_WIDE_MIN_ROWS packed rows (`_fp8_query_case`'s `form`), else the dispatch's."""
+    return FORMS if rows >= FP8_QUERY_WIDE_MIN_ROWS else (None,)
 
 
 def _round_query_like_the_kernel(q: torch.Tensor) -> torch.Tensor:
@@ -412,8 +423,9 @@ def _rel(a, b) -> float:
 
 def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=None, q_mult=1.0,
                     kv_ramp=False, form=None, outputs=False) -> dict:
-    """MLA_TUNE_TRITON_FP8Q's kernel on one case against the references; `form` (above 32 packed rows): force 32-row
-    narrow blocks ("narrow"), the wide form with three slots ("wide") or four and the scores ahead ("ahead"); None:
+    """MLA_TUNE_TRITON_FP8Q's kernel on one case against the references; `form` (from FP8_QUERY_WIDE_MIN_ROWS packed
+    rows): force the narrow form ("narrow": 32-row blocks, 16 rows up to 16), the wide form with three slots ("wide")
+    or four and the scores ahead ("ahead"); None:
     the dispatch's choice; `outputs`: the kernel's (out, lse) under "outputs" too."""
     from mla_tune.backends.triton_mla import mla_decode
     from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, fp8_query_tile
@@ -429,7 +441,7 @@ def _fp8_query_case(heads, q_len, page_size, shape: Shape, lens=None, splits=Non
     lengths = inputs.seq_lens.tolist()
     tile = fp8_query_tile(num_heads=heads, q_len=q_len, batch=shape.batch_size, max_items=max(max(lengths), 1))
     if form is not None:
-        tile = fp8_query_form_tile(form)
+        tile = fp8_query_form_tile(form, heads * q_len)
     params = params_from_tile(tile, num_heads=heads, q_len=q_len,
                               batch=shape.batch_size, max_items=max(max(lengths), 1), sparse=False, lengths=lengths,
                               num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
@@ -476,10 +488,10 @@ def _assert_close(r: dict) -> None:
 @pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_gpu_fp8_query_edge_lengths(q_len, heads, page_size):
-    # lengths 1, 15, 16, 17, 1000, 0 and two long ones that split, permuted pages, odd head counts; above 32 packed
-    # rows 32-row narrow blocks and both wide forms
+    # lengths 1, 15, 16, 17, 1000, 0 and two long ones that split, permuted pages, odd head counts; from 16 packed
+    # rows the narrow form and both wide forms (16 heads: 48 of the wide form's 64 rows masked)
     lens = [max(n, q_len) if n else 0 for n in (1, 15, 16, 17, 1000, 0)] + [5000, 777]
-    for form in (FORMS if heads * q_len > 32 else (None,)):
+    for form in _forms(heads * q_len):
         _assert_close(_fp8_query_case(heads, q_len, page_size, Shape(len(lens), 5000), lens=lens, form=form))
 
 
@@ -487,7 +499,7 @@ def test_gpu_fp8_query_edge_lengths(q_len, heads, page_size):
 @hopper_only
 @pytest.mark.parametrize("heads,batch,kv_len", [(16, 1, 32768), (32, 64, 16384), (128, 8, 4096), (64, 3, 3001)])
 def test_gpu_fp8_query_long(heads, batch, kv_len):
-    for form in (FORMS if heads > 32 else (None,)):
+    for form in _forms(heads):
         _assert_close(_fp8_query_case(heads, 1, 64, Shape(batch, kv_len), form=form))
 
 
@@ -501,7 +513,7 @@ def test_gpu_fp8_query_scores_rising_along_the_request(heads, q_len, splits):
     # the float32 reference on an H200, above the gate's limit), so the kernel is held to the reference on the query
     # rounded as it rounds it, and its lse to what p's rounding may move (log(1 + 2^-4))
     lens = [5000, 777, 3001, 64, 17]
-    for form in (FORMS if heads * q_len > 32 else (None,)):
+    for form in _forms(heads * q_len):
         r = _fp8_query_case(heads, q_len, 64, Shape(len(lens), 5000), lens=lens, splits=splits, q_mult=4.0,
                             kv_ramp=True, form=form)
         assert not r["nan"] and r["unseen_rows_ok"], r
@@ -518,7 +530,7 @@ def test_gpu_the_rounded_query_gives_what_rounding_in_each_program_gave(heads, q
     from mla_tune.backends.triton_mla.query_e4m3 import round_query, round_query_reference
 
     lens = [1, 17, 5000, 777, 0, 3001]
-    forms = FORMS if heads * q_len > 32 else (None,)
+    forms = _forms(heads * q_len)
     for form in forms:
         results = []
         for rounded in (frozenset({"narrow", "fp8_query_wide"}), frozenset()):
