@@ -235,6 +235,9 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # slower with ragged lengths. 20 and 24 heads (30, ragged) over the 32-row blocks: 0.83-0.98 from 2^22.
 FP8_QUERY_WIDE_MIN_ROWS = 16
 FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 24, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
+# The wide FP8-query form's p @ v products over the launch's packed rows bucket (16 or 32 of its 64 rows) where
+# there are no more, instead of all 64.
+FP8Q_WIDE_PV_ROWS = True
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -332,7 +335,7 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = Fals
 
 
 def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles: int | None = None,
-                      kv_words: bool = True, ds_mla: bool = False) -> dict:
+                      kv_words: bool = True, ds_mla: bool = False, query_rows: int | None = None) -> dict:
     """The Hopper kernel's constexprs that pick its form, registers and per-form switches for `params`.
 
     Args:
@@ -341,6 +344,8 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         tiles: the most KV tiles a program has (None: not known, as for an offline compile).
         kv_words: the cache's base and strides are whole 32-bit words (`launcher.kv_cache_in_words`), which the
             loader ahead reads it as.
+        query_rows: the launch's query rows (`q_len x heads`; None: not known), which the wide FP8-query form's
+            p @ v warpgroups need no more of than their rows bucket (FP8Q_WIDE_PV_ROWS).
     """
     kv_fp8 = kv_fp8 or ds_mla
     form = (params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense")
@@ -350,6 +355,8 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
     ahead = by_form and kv_fp8 and form[0] != "narrow" and kv_words and not ds_mla
     wide = form[0] == "fp8_query_wide"
     scores_ahead = wide and params.num_stages == HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE.num_stages
+    pv_rows = (min(HOPPER_FP8_QUERY_SHAPES[64].block_h, rows_bucket(query_rows))
+               if wide and FP8Q_WIDE_PV_ROWS and query_rows else HOPPER_FP8_QUERY_SHAPES[64].block_h)
     load_regs = HOPPER_LOAD_REGS["fp8_query" if params.fp8_query else "ds_mla" if ds_mla else "fp8_ahead" if ahead
                                  else "fp8" if kv_fp8 else "16bit"]
     return dict(
@@ -360,4 +367,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=scores_ahead)
+        SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows)

@@ -45,12 +45,16 @@ _V_T_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0], [32, 0]],
     lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
     warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
-# that accumulator as `[rows, 256 columns]`, a thread's 8 adjacent columns first (bf16: 16-byte stores, a warp's
-# lanes over whole sectors)
-_O_T_STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
-    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
+
+
+@gluon.constexpr_function
+def _o_t_store_layout(rows):
+    """That accumulator of `rows` rows as `[rows, 256 columns]`, a thread's 8 adjacent columns first (bf16: 16-byte
+    stores, a warp's lanes over whole sectors)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0]] + [[r, 0] for r in (8, 16, 32) if r < rows],
+        lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
+        warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[rows, 256])
 
 
 @gluon.jit
@@ -225,21 +229,22 @@ def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constex
 
 @gluon.jit
 def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
-             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr):
+             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
-    released, then `o^T += v^T p^T`; at the end those output columns."""
+    released, then `o^T += v^T p^T` over the first `PV_ROWS` rows (the rest are past the launch's packed rows); at
+    the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 32])
-    acc = gl.zeros([256, ROWS], gl.float32, o_layout)
+                                                       instr_shape=[16, PV_ROWS, 32])
+    acc = gl.zeros([256, PV_ROWS], gl.float32, o_layout)
     for t in range(prog.n_tiles):
         buf = t % P_BUFFERS
         mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
-        acc = acc * alpha_smem.index(buf).load(gl.SliceLayout(0, o_layout))[None, :]
+        acc = acc * alpha_smem.index(buf).slice(0, PV_ROWS).load(gl.SliceLayout(0, o_layout))[None, :]
         slot, _phase = _full_slot(ring, t, False)
         v_t = _v_t_operand(ring.k_lat.index(slot), HALF * 256, o_layout)
         _partition_barrier()  # every thread's reads are done before the slot is released
         mbarrier.arrive(ring.empty_bars.index(slot))
-        acc = warpgroup_mma(v_t, p_smem.index(buf).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(v_t, p_smem.index(buf).slice(0, PV_ROWS).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
         if TMA:  # this half of tile t + STAGES into the slot, which the scores and these reads are done with
@@ -247,28 +252,36 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
                 tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
                          HALF == 0)
     mbarrier.wait(l_bar, 0)
-    out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, ROWS]).permute((4, 1, 3, 0, 2)), [ROWS, 256])
-    out = gl.convert_layout(out, _O_T_STORE_LAYOUT)
-    if prog.o_ptr.dtype.element_ty == gl.float32:  # split partials (or an fp32 output)
-        # rows 32 a + 16 b + r: (a, b) as trailing dims, split into four 16-row pieces
-        lo, hi = gl.split(gl.reshape(out, [2, 2, 16, 256]).permute((2, 3, 0, 1)))
-        lo0, lo1 = gl.split(lo)
-        hi0, hi1 = gl.split(hi)
-        _partial_rows(lo0, l_smem, prog, 0, HALF * 256)
-        _partial_rows(hi0, l_smem, prog, 16, HALF * 256)
-        _partial_rows(lo1, l_smem, prog, 32, HALF * 256)
-        _partial_rows(hi1, l_smem, prog, 48, HALF * 256)
+    store_layout: gl.constexpr = _o_t_store_layout(PV_ROWS)
+    out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, PV_ROWS]).permute((4, 1, 3, 0, 2)), [PV_ROWS, 256])
+    out = gl.convert_layout(out, store_layout)
+    if prog.o_ptr.dtype.element_ty == gl.float32:  # split partials (or an fp32 output), in 16-row pieces
+        if PV_ROWS == 64:  # rows 32 a + 16 b + r: (a, b) as trailing dims
+            lo, hi = gl.split(gl.reshape(out, [2, 2, 16, 256]).permute((2, 3, 0, 1)))
+            lo0, lo1 = gl.split(lo)
+            hi0, hi1 = gl.split(hi)
+            _partial_rows(lo0, l_smem, prog, 0, HALF * 256)
+            _partial_rows(hi0, l_smem, prog, 16, HALF * 256)
+            _partial_rows(lo1, l_smem, prog, 32, HALF * 256)
+            _partial_rows(hi1, l_smem, prog, 48, HALF * 256)
+        elif PV_ROWS == 32:  # rows 16 b + r
+            lo, hi = gl.split(gl.reshape(out, [2, 16, 256]).permute((1, 2, 0)))
+            _partial_rows(lo, l_smem, prog, 0, HALF * 256)
+            _partial_rows(hi, l_smem, prog, 16, HALF * 256)
+        else:
+            _partial_rows(out, l_smem, prog, 0, HALF * 256)
     else:
-        l_i = l_smem.load(gl.SliceLayout(1, _O_T_STORE_LAYOUT))
-        _epilogue(out, l_i, l_i, prog, _O_T_STORE_LAYOUT, gl.SliceLayout(1, _O_T_STORE_LAYOUT), HALF * 256, 256,
-                  False)
+        l_i = l_smem.slice(0, PV_ROWS).load(gl.SliceLayout(1, store_layout))
+        _epilogue(out, l_i, l_i, prog, store_layout, gl.SliceLayout(1, store_layout), HALF * 256, 256, False)
 
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False):
+                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
-    (`PV_REGS` registers a thread) as workers."""
+    (`PV_REGS` registers a thread; `PV_ROWS`: the rows they multiply, 16 or 32 where the launch packs no more) as
+    workers."""
+    gl.static_assert(PV_ROWS == 16 or PV_ROWS == 32 or PV_ROWS == ROWS, "PV_ROWS: 16, 32 or 64")
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     STAGES: gl.constexpr = prog.STAGES
     dtype: gl.constexpr = src.kv_ptr.dtype.element_ty
@@ -300,6 +313,8 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
                         rope_desc, TMA, SCORES_AHEAD)),
-        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA)),
-        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA))],
+        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
+                    PV_ROWS)),
+        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
+                    PV_ROWS))],
         [4, 4], [PV_REGS, PV_REGS])

@@ -197,7 +197,8 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     from mla_tune.backends.triton_mla import hopper
 
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
-                             tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla)
+                             tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla,
+                             query_rows=q.shape[1] * q.shape[2])
     descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=tma_col_blocks(params))
                    if params.fp8_query and dispatch.FP8Q_TMA else None)
     if descriptors is not None:

@@ -100,6 +100,18 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
         assert not any(t.fp8_query for t in candidate_tiles(**facts))
 
 
+def test_the_wide_forms_p_v_products_take_the_launchs_rows_bucket():
+    from mla_tune.backends.triton_mla.config import LaunchParams
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, hopper_constexprs
+
+    wide = LaunchParams(**fp8_query_form_tile("wide").launch_fields())
+    narrow = LaunchParams(**fp8_query_form_tile("narrow", 16).launch_fields())
+    for rows, pv_rows in ((1, 16), (16, 16), (17, 32), (20, 32), (32, 32), (33, 64), (64, 64), (128, 64),
+                          (None, 64)):
+        assert hopper_constexprs(wide, kv_fp8=True, sparse=False, query_rows=rows)["PV_ROWS"] == pv_rows, rows
+    assert hopper_constexprs(narrow, kv_fp8=True, sparse=False, query_rows=16)["PV_ROWS"] == 64  # not its switch
+
+
 def _warp_stores(layout, element_bytes: int, vector: int) -> list[list[int]]:
     """Per warp store instruction of a distributed linear layout over a row-major `[rows, 512]` output: the byte
     addresses each of its 32 lanes writes (`vector` adjacent registers a store), warp 0."""
@@ -123,13 +135,17 @@ def _warp_stores(layout, element_bytes: int, vector: int) -> list[list[int]]:
     return stores
 
 
-# fp32 partials take the partial layout and bf16 outputs the store layout (whose fp32 stores would fill half sectors)
-@pytest.mark.parametrize("name,element_bytes,whole", [("_O_T_PARTIAL_LAYOUT", 4, True), ("_O_T_STORE_LAYOUT", 2, True),
-                                                      ("_O_T_STORE_LAYOUT", 4, False)])
-def test_the_wide_forms_output_stores_fill_whole_sectors(name, element_bytes, whole):
+# fp32 partials take the partial layout and bf16 outputs the store layout (whose fp32 stores would fill half sectors),
+# of 64 rows or of the 16 or 32 the p @ v products keep where the launch packs no more
+@pytest.mark.parametrize("name,rows,element_bytes,whole", [
+    ("partial", 16, 4, True), ("store", 64, 2, True), ("store", 32, 2, True), ("store", 16, 2, True),
+    ("store", 64, 4, False)])
+def test_the_wide_forms_output_stores_fill_whole_sectors(name, rows, element_bytes, whole):
     from mla_tune.backends.triton_mla import hopper_fp8_query_wide
 
-    layout = getattr(hopper_fp8_query_wide, name).value
+    layout = (hopper_fp8_query_wide._O_T_PARTIAL_LAYOUT.value if name == "partial"
+              else hopper_fp8_query_wide._o_t_store_layout(rows))
+    assert layout.shape == [rows, 256]
     vector = 16 // element_bytes  # 16-byte stores: the thread's first registers are adjacent columns
     assert layout.reg_bases[:vector.bit_length() - 1] == [[0, 1 << i] for i in range(vector.bit_length() - 1)]
     written = set()
@@ -138,6 +154,7 @@ def test_the_wide_forms_output_stores_fill_whole_sectors(name, element_bytes, wh
         assert (len(sectors) * 32 == len(addresses) * element_bytes) == whole, (name, sorted(sectors))
         written.update(addresses)
     assert len(written) == 32 << len(layout.reg_bases)  # every element of warp 0's once
+    assert {a // (512 * element_bytes) for a in written} == set(range(rows))  # warp 0: every row, 64 columns
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
