@@ -232,9 +232,12 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # 0.96 / 0.95, batch 4 kv 4k 1.01 / 0.90; at 2^21, 32 heads 1.03-1.08x slower (3 of 3 shapes), 64 heads 1.03 and
 # 1.05x (2 of 3); 32 heads from 2^23 1.11x slower at batch 128 kv 1k. 16 heads (30): from 2^24 over the 16-row
 # narrow form, batch 64 kv 16k 0.98 / 0.96, batch 128 kv 16k (four slots) 0.97 / 0.94; at 2^22-2^23 up to 1.07x
-# slower with ragged lengths. 20 and 24 heads (30, ragged) over the 32-row blocks: 0.83-0.98 from 2^22.
+# slower with ragged lengths. 20 and 24 heads (30, ragged) over the 32-row blocks: 0.83-0.98 from 2^22. With the
+# p @ v products over the rows bucket (FP8Q_WIDE_PV_ROWS; 31), 16 heads from 2^22 over 2^24: batch 16 kv 16k 0.92 /
+# 0.90, batch 64 kv 4k 0.95 / 0.89, batch 128 kv 4k 0.93 / 0.87; from 2^21 only batch 128 kv 1k measured (0.95,
+# ragged).
 FP8_QUERY_WIDE_MIN_ROWS = 16
-FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 24, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
+FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 22, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
 # The wide FP8-query form's p @ v products over the launch's packed rows bucket (16 or 32 of its 64 rows) where
 # there are no more, instead of all 64.
 FP8Q_WIDE_PV_ROWS = True

@@ -67,9 +67,10 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
     # rows x batch x the longest request: from 2^21 with 128 heads (from batch 16 at 1k tokens, 4 at 4k, 1 at 16k),
     # from 2^22 with 32 and 64 (64 heads from batch 64 at 1k, 16 at 4k, 4 at 16k; 32 heads batch 16 at 8k); four
     # slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens; 32 heads from batch 64 at 16k); 16
-    # heads from 2^24 (batch 64 at 16k)
+    # heads from 2^22 too (batch 64 at 4k, 16 at 16k)
     for heads, batch, max_items, rows, slots in (
-            (16, 64, 16384, 64, 3), (16, 32, 16384, 16, 3), (16, 128, 4096, 16, 3), (16, 128, 16384, 64, 4),
+            (16, 64, 4096, 64, 3), (16, 16, 16384, 64, 3), (16, 32, 4096, 16, 3), (16, 128, 1024, 16, 3),
+            (16, 128, 16384, 64, 4),
             (64, 128, 1024, 64, 3), (64, 64, 1024, 64, 3), (64, 32, 1024, 32, 3), (64, 16, 4096, 64, 3),
             (64, 8, 4096, 32, 3), (64, 4, 16384, 64, 3), (64, 2, 16384, 32, 3), (64, 16, 2048, 32, 3),
             (128, 1, 16384, 64, 3), (128, 4, 4096, 64, 3), (128, 2, 4096, 32, 3), (128, 16, 1024, 64, 3),
