@@ -147,7 +147,8 @@ def test_launch_hints_the_partials_only_where_there_are_splits(monkeypatch):
             return launch_
 
     monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
-    cuda_q = type("CudaTensor", (), {"is_cuda": True})()  # `_launch_hopper` refuses CPU tensors
+    # `_launch_hopper` refuses CPU tensors and reads the query's shape
+    cuda_q = type("CudaTensor", (), {"is_cuda": True, "shape": (1, 1, 64, 576)})()
     kv = torch.empty(1, 64, 576, dtype=torch.bfloat16)
     fields = dispatch.HOPPER_TOKEN_SPLIT_TILE.launch_fields()
     # a grid over (row blocks, requests, splits), and a longest-first one over (row blocks, programs, 1)
@@ -173,7 +174,7 @@ def test_the_loader_ahead_is_not_given_a_cache_it_cannot_read_as_words(monkeypat
             return lambda *args, **kw: seen.append((kw["LOADER_AHEAD"], kw["LOAD_REGS"]))
 
     monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
-    cuda_q = type("CudaTensor", (), {"is_cuda": True})()
+    cuda_q = type("CudaTensor", (), {"is_cuda": True, "shape": (1, 1, 64, 576)})()
     params = LaunchParams(**dispatch.HOPPER_QK1_TILE.launch_fields())
     contiguous = torch.empty(2, 1, 576, dtype=torch.float8_e4m3fn)
     odd_rows = torch.empty(2, 1, 577, dtype=torch.float8_e4m3fn)[:, :, :576]
