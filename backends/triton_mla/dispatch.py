@@ -303,8 +303,8 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
                     fp8_query: bool = False) -> list[Tile]:
     """The tiles the tuner times for one shape, the default first, no duplicates: on SM90 the other kernel family
     at the same rows (both Hopper forms for 16-32 rows, both 64-row forms for 64+ rows; FP8-query: all three of its
-    forms from FP8_QUERY_WIDE_MIN_ROWS), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS (clamped to
-    `PARAM_SPACE`); at most REFINE_MAX_TILES."""
+    forms from FP8_QUERY_WIDE_MIN_ROWS), then the default with its minimum split scaled by REFINE_SPLIT_FACTORS
+    (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
     bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))

@@ -422,7 +422,8 @@ FORMS = tuple(FP8_QUERY_FORMS)
 
 
 def _forms(rows: int) -> tuple:
-    """Every FP8-query form from FP8_QUERY_WIDE_MIN_ROWS packed rows (`_fp8_query_case`'s `form`), else the dispatch's."""
+    """Every FP8-query form (`_fp8_query_case`'s `form`) from FP8_QUERY_WIDE_MIN_ROWS packed rows, else the
+    dispatch's."""
     return FORMS if rows >= FP8_QUERY_WIDE_MIN_ROWS else (None,)
 
 
