@@ -12,8 +12,8 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 - two p @ v warpgroups each read their 256 of the tile's latent columns from the slot into registers, release it,
   and transpose them there as wgmma's register operand of `o^T = v^T p^T` (8-bit wgmma reads shared operands
   K-major only; p^T is the K-major shared operand p's buffer already is), over p's first 16 or 32 rows where the
-  launch packs no more (`PV_ROWS`); at the end they write those output
-  columns with the scorer's row sums, fp32 split partials whole 32-byte sectors a warp instruction.
+  launch packs no more (`PV_ROWS`); at the end they write those output columns with the scorer's row sums, fp32
+  split partials whole 32-byte sectors a warp instruction.
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
 warpgroup, once its p @ v of tile t is done, copies its half of tile `t + slots` into that slot
