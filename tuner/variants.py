@@ -108,7 +108,8 @@ def launch_builds(problem: Problem, params, *, kv_len: int) -> tuple[tuple, tupl
         form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
                                               sparse=problem.sparse,
                                               tiles=-(-params.split_items // params.block_n),
-                                              ds_mla=problem.kv_cache_dtype == "fp8_ds_mla").items()))
+                                              ds_mla=problem.kv_cache_dtype == "fp8_ds_mla",
+                                              query_rows=rows).items()))
     # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.
     stage1 = ("stage1", problem.kv_cache_dtype, problem.query_dtype, q_len, problem.page_size, problem.sparse,
               splits > 1, fixed, form, ints)

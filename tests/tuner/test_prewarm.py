@@ -253,3 +253,29 @@ def test_builds_agree_with_tritons_own_specialization(monkeypatch):
     assert all(len(v) == 1 for v in ours.values())      # never two Triton builds under one of ours
     assert all(len(v) == 1 for v in theirs.values())    # never one Triton build under two of ours
     assert len([b for b in ours if b[0] == "stage1"]) < launches    # and launches do share builds
+
+
+@pytest.mark.parametrize("heads", [16, 20, 64])
+def test_a_stage1_build_has_the_constexprs_the_launcher_gives_its_launch(monkeypatch, heads):
+    # the wide FP8-query form's p @ v rows follow the launch's packed rows: the pre-build must compile the same variant
+    from mla_tune.backends.triton_mla import dispatch, hopper, launcher
+    from mla_tune.backends.triton_mla.config import LaunchParams
+
+    seen = []
+
+    class RecordingKernel:  # stands in for the Gluon kernel (no GPU here)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(hopper, "_mla_hopper_kernel", RecordingKernel())
+    monkeypatch.setattr(dispatch, "FP8Q_TMA", False)  # no TMA descriptors over a CPU tensor
+    problem = Problem(num_heads=heads, kv_cache_dtype="fp8_e4m3", page_size=64)
+    params = LaunchParams(**dispatch.fp8_query_form_tile("wide", heads).launch_fields(), num_splits=1,
+                          split_items=4096)
+    cuda_q = type("CudaTensor", (), {"is_cuda": True, "shape": (2, 1, heads, 576)})()
+    kv = torch.empty(2, 64, 576, dtype=torch.float8_e4m3fn)
+    launcher._launch_hopper((), (1, 2, 1), {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params,
+                            tiles=4096 // params.block_n)
+    form = dict(launch_builds(problem, params, kv_len=4096)[0][8])
+    assert form == {name: seen[0][name] for name in form}
+    assert form["PV_ROWS"] == {16: 16, 20: 32, 64: 64}[heads]
