@@ -274,11 +274,10 @@ def fp8_query_tile(*, num_heads: int, q_len: int, batch: int, max_items: int) ->
     packed rows, 32-row blocks above."""
     rows = packed_rows(num_heads, q_len, sparse=False)
     work = rows * batch * max_items
-    if rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK:
-        return hopper_tile(HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE).replace(fp8_query=True)
-    wide = rows >= FP8_QUERY_WIDE_MIN_ROWS and work >= FP8_QUERY_WIDE_MIN_WORK[rows_bucket(rows)]
-    bucket = 64 if wide else 16 if rows <= 16 else 32
-    return hopper_tile(HOPPER_FP8_QUERY_SHAPES[bucket]).replace(fp8_query=True)
+    wide = rows >= FP8_QUERY_WIDE_MIN_ROWS
+    form = ("ahead" if wide and work >= FP8_QUERY_WIDE_AHEAD_MIN_WORK
+            else "wide" if wide and work >= FP8_QUERY_WIDE_MIN_WORK[rows_bucket(rows)] else "narrow")
+    return fp8_query_form_tile(form, rows)
 
 
 # The FP8-query forms from FP8_QUERY_WIDE_MIN_ROWS packed rows, by name: the narrow form (32-row blocks; 16 rows up
@@ -307,10 +306,10 @@ def candidate_tiles(*, num_heads: int, q_len: int, batch: int, max_items: int, s
     (clamped to `PARAM_SPACE`); at most REFINE_MAX_TILES."""
     default = default_tile(num_heads=num_heads, q_len=q_len, batch=batch, max_items=max_items, sparse=sparse,
                            kv_fp8=kv_fp8, cc_major=cc_major, ds_mla=ds_mla, fp8_query=fp8_query)
-    bucket = rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
+    rows = packed_rows(num_heads, q_len, sparse=sparse)
+    bucket = rows_bucket(rows)
     wide = HOPPER_TOKEN_SPLIT_SHAPE.block_h
     family = []
-    rows = packed_rows(num_heads, q_len, sparse=sparse)
     if fp8_query and rows >= FP8_QUERY_WIDE_MIN_ROWS:
         family += other_fp8_query_forms(default, rows)
     if cc_major in HOPPER_CC_MAJORS and not fp8_query:  # the FP8-query forms are refined in their splits
