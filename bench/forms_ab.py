@@ -158,19 +158,18 @@ def _run(args, emit: Lines) -> int:
     import torch
 
     from mla_tune.backends.problem import DeviceSpec
-    from mla_tune.tuner import timing
 
     env = kernels.environment()
     env["spec"] = DeviceSpec(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-    env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
-    env["matmul_tflops"] = timing.measure_matmul_tflops()
+    kernels.measure_ceilings(env)
     for i, switches in enumerate(args.variants):
         emit(f"# forms_ab: variant {variant_name(i, args.ours)}: "
              + "; ".join(f"dispatch.{n} = {v!r}" for n, v in switches))
     emit("# command: python3 bench/forms_ab.py " + " ".join(repr(a) if " " in a else a for a in sys.argv[1:]))
     emit("# lengths: every request kv_len tokens (--uniform)" if args.uniform else
          "# lengths: ragged, up to kv_len (make_inputs' default; bench/kernels.py times uniform ones unless --ragged)")
-    emit("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("spec", "copy_gbs", "matmul_tflops")))
+    emit("# " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "spec" and k not in kernels.CEILINGS))
+    emit(kernels.ceilings_line(env))
     emit(kernels.HEADER)
     logs = {variant_name(i, args.ours): [] for i in range(len(args.variants))}
     for shape in kernels.grid(args):

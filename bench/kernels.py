@@ -5,9 +5,11 @@ request kv_len tokens long unless --ragged, like REFERENCE.md section 5) is
 built once; each eligible backend is prepared on it (plan/JIT untimed),
 checked against the float32 reference, then all backends are timed together
 by `mla_tune.tuner.timing` (CUDA graphs over L2-rotated input copies, replays
-interleaved, medians with 95 % order-statistic CIs). The roofline is
-max(KV bytes / copy bandwidth, FLOPs / matmul rate), both measured in the
-same run; "frac" is roofline time / measured time.
+interleaved, medians with 95 % order-statistic CIs). "bw" is the time the KV
+bytes take at the copy bandwidth over the measured time; "frac" is the
+roofline's, max(KV bytes / copy bandwidth, FLOPs / matmul rate), with the
+matmul rate of the backend's operands: e4m3 where it rounds the query to
+e4m3, bf16 otherwise. Bandwidth and rates are measured in the same run.
 
 Correctness is checked on the first --check-requests requests of each batch
 (the float32 reference is a per-request loop); the table says how many. A
@@ -202,16 +204,35 @@ def _time_prepared(prepared: dict, inputs, args, env) -> list[dict]:
     heads = inputs.q.shape[2]
     kv_bytes = kv_bytes_read(inputs)
     flops = 2 * heads * (kv_bytes / inputs.kv_cache.shape[-1] / inputs.kv_cache.element_size()) * (576 + 512)
-    roof_ms = max(kv_bytes / (env["copy_gbs"] * 1e9), flops / (env["matmul_tflops"] * 1e12)) * 1e3
+    bw_ms = kv_bytes / (env["copy_gbs"] * 1e9) * 1e3
     best = min(t.median_ms for t in timings.values())
     rows = []
     for name, (_, row) in prepared.items():
         t = timings[name]
+        rate = env["e4m3_matmul_tflops"] if row.get("fp8_query") else env["matmul_tflops"]
+        roof_ms = max(bw_ms, flops / (rate * 1e12) * 1e3)
         status = "ok (q in e4m3)" if row.get("fp8_query") else "ok"
         rows.append({**row, "status": status, "median_us": t.median_ms * 1e3,
                      "ci_us": (t.ci_low_ms * 1e3, t.ci_high_ms * 1e3), "samples": t.samples,
-                     "frac": roof_ms / t.median_ms, "vs_best": t.median_ms / best})
+                     "bw": bw_ms / t.median_ms, "frac": roof_ms / t.median_ms, "vs_best": t.median_ms / best})
     return rows
+
+
+def measure_ceilings(env: dict) -> None:
+    """The roofline's measured ceilings into `env`: copy bandwidth, bf16 and e4m3 matmul rates."""
+    from mla_tune.tuner import timing
+
+    env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
+    env["matmul_tflops"] = timing.measure_matmul_tflops()
+    env["e4m3_matmul_tflops"] = timing.measure_matmul_tflops(e4m3=True)
+
+
+CEILINGS = ("copy_gbs", "matmul_tflops", "e4m3_matmul_tflops")
+
+
+def ceilings_line(env: dict) -> str:
+    return (f"# copy bandwidth {env['copy_gbs']:.0f} GB/s (read+write), bf16 matmul {env['matmul_tflops']:.0f} "
+            f"TFLOP/s, e4m3 matmul {env['e4m3_matmul_tflops']:.0f} TFLOP/s")
 
 
 def run_shape(shape, names, args, env) -> list[dict]:
@@ -236,16 +257,16 @@ def run_shape(shape, names, args, env) -> list[dict]:
 
 
 HEADER = (f"{'kv':<9}{'heads':>5}{'batch':>6}{'kv_len':>7}{'topk':>5}  {'backend':<26}{'median_us':>10}"
-          f"{'ci95_us':>18}{'n':>4}{'x best':>7}{'frac':>6}{'rel_err':>9}{'checked':>9}  status")
+          f"{'ci95_us':>18}{'n':>4}{'x_best':>7}{'frac':>6}{'bw':>6}{'rel_err':>9}{'checked':>9}  status")
 
 
 def format_row(r: dict) -> str:
     if r.get("median_us") is not None:
         lo, hi = r["ci_us"]
         timing = (f"{r['median_us']:>10.1f}{f'{lo:.1f}-{hi:.1f}':>18}{r['samples']:>4}"
-                  f"{r['vs_best']:>7.2f}{r['frac']:>6.2f}")
+                  f"{r['vs_best']:>7.2f}{r['frac']:>6.2f}{r['bw']:>6.2f}")
     else:
-        timing = f"{'-':>10}{'-':>18}{'-':>4}{'-':>7}{'-':>6}"
+        timing = f"{'-':>10}{'-':>18}{'-':>4}{'-':>7}{'-':>6}{'-':>6}"
     err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
     return (f"{r['kv']:<9}{r['heads']:>5}{r['batch']:>6}{r['kv_len']:>7}{str(r['topk']):>5}  {r['backend']:<26}"
             f"{timing}{err:>9}{r['checked']:>9}  {r['status']}")
@@ -258,12 +279,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     from mla_tune.backends.problem import DeviceSpec
-    from mla_tune.tuner import timing
 
     env = environment()
     env["spec"] = DeviceSpec(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-    env["copy_gbs"] = timing.measure_copy_bandwidth_gbs()
-    env["matmul_tflops"] = timing.measure_matmul_tflops()
+    measure_ceilings(env)
     names = runnable_backends(args, env["spec"])
     slug = "".join(c if c.isalnum() else "-" for c in env["gpu"]).strip("-").lower()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
@@ -271,10 +290,8 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     header = [f"# mla-tune kernel benchmark, {stamp} UTC",
               f"# command: python3 bench/kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}",
-              "# " + ", ".join(f"{k} {v}" for k, v in env.items()
-                               if k not in ("spec", "copy_gbs", "matmul_tflops")),
-              f"# copy bandwidth {env['copy_gbs']:.0f} GB/s (read+write), "
-              f"bf16 matmul {env['matmul_tflops']:.0f} TFLOP/s",
+              "# " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "spec" and k not in CEILINGS),
+              ceilings_line(env),
               f"# page_size {args.page_size}, q_len 1, {'ragged' if args.ragged else 'uniform'} lengths, "
               f"CUDA graphs over L2-rotated copies, rel-CI target {args.rel_ci}, cap {args.max_seconds}s/shape",
               f"# backends tried where eligible: {', '.join(names)}", HEADER]

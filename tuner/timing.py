@@ -348,21 +348,33 @@ def measure_copy_bandwidth_gbs(*, size_bytes: int = 1 << 30, repeats: int = 20) 
     return 2 * n * 2 / (statistics.median(times) * 1e-3) / 1e9
 
 
-def measure_matmul_tflops(*, size: int = 8192, repeats: int = 10) -> float:
-    """bf16 matmul rate in TFLOP/s (dense size x size x size), median of `repeats`."""
+def measure_matmul_tflops(*, size: int = 8192, repeats: int = 10, e4m3: bool = False) -> float:
+    """Dense matmul rate in TFLOP/s (size x size x size), median of `repeats`: bf16, or with `e4m3` e4m3 operands
+    (`torch._scaled_mm`, bf16 out), the ceiling of kernels that round the query to e4m3."""
     import torch
 
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty_like(a)
+    a = torch.randn(size, size, device="cuda")
+    b = torch.randn(size, size, device="cuda")
+    if e4m3:
+        one = torch.ones((), device="cuda")
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm's B is column-major
+
+        def matmul():
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        c = torch.empty_like(a)
+
+        def matmul():
+            torch.matmul(a, b, out=c)
     for _ in range(3):
-        torch.matmul(a, b, out=c)
+        matmul()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.matmul(a, b, out=c)
+        matmul()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

@@ -39,8 +39,8 @@ def test_rows_format_both_outcomes():
     base = dict(kv="bf16", heads=16, batch=4, kv_len=1024, topk="-", checked="4/4",
                 backend="FLASHINFER_FA3_MLA")
     ok = bench.format_row({**base, "status": "ok", "median_us": 15.4, "ci_us": (15.2, 15.6),
-                           "samples": 40, "vs_best": 1.0, "frac": 0.91, "rel_err": 3e-3})
-    assert "15.4" in ok and "15.2-15.6" in ok and "0.91" in ok and ok.endswith("ok")
+                           "samples": 40, "vs_best": 1.0, "frac": 0.91, "bw": 0.83, "rel_err": 3e-3})
+    assert "15.4" in ok and "15.2-15.6" in ok and "0.91" in ok and "0.83" in ok and ok.endswith("ok")
     bad = bench.format_row({**base, "status": "unavailable: no", "rel_err": None})
     assert bad.endswith("unavailable: no")
 
@@ -52,9 +52,9 @@ def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
     rows = []
     for batch, ours_us, flashmla_us in ((64, 100.0, 80.0), (128, 100.0, 150.0)):
         rows.append({**base, "batch": batch, "backend": "MLA_TUNE_TRITON", "status": "ok", "median_us": ours_us,
-                     "frac": 0.5})
+                     "frac": 0.5, "bw": 0.4})
         rows.append({**base, "batch": batch, "backend": "FLASHMLA", "status": "ok (q in e4m3)",
-                     "median_us": flashmla_us, "frac": 0.6})
+                     "median_us": flashmla_us, "frac": 0.6, "bw": 0.3})
     rows.append({**base, "batch": 16, "backend": "FLASHMLA", "status": "incorrect: relative error 0.1",
                  "rel_err": 0.1})
     path = tmp_path / "k.txt"
@@ -66,8 +66,16 @@ def test_summary_compares_with_vllm_kernels_on_correct_rows(tmp_path):
     # sqrt(0.8 * 1.5) = 1.10; ours loses at batch 64 only
     assert table[2] == "| dense FP8 | FLASHMLA | 2 | 1.10 (0.80-1.50) | missed | h128 b64 kv4096 0.80 |"
     # ours first, then the competitor beside it
-    assert summary.bandwidth_table(parsed)[2:] == ["| fp8_e4m3 MLA_TUNE_TRITON | 128 | 2 | 0.50 (0.50-0.50) |",
-                                                   "| fp8_e4m3 FLASHMLA | 128 | 2 | 0.60 (0.60-0.60) |"]
+    assert summary.bandwidth_table(parsed)[2:] == [
+        "| fp8_e4m3 MLA_TUNE_TRITON | 128 | 2 | 0.40 (0.40-0.40) | 0.50 (0.50-0.50) |",
+        "| fp8_e4m3 FLASHMLA | 128 | 2 | 0.30 (0.30-0.30) | 0.60 (0.60-0.60) |"]
+    # a file from before the "bw" column: its header names the columns it has
+    old = [line.replace("   bw", "").replace("  0.40", "").replace("  0.30", "") for line in
+           path.read_text().splitlines()]
+    assert "bw" not in old[0].split() and len(old[1].split()) == len(path.read_text().splitlines()[1].split()) - 1
+    assert summary.bandwidth_table(summary.parse_rows(old))[2:] == [
+        "| fp8_e4m3 MLA_TUNE_TRITON | 128 | 2 | - | 0.50 (0.50-0.50) |",
+        "| fp8_e4m3 FLASHMLA | 128 | 2 | - | 0.60 (0.60-0.60) |"]
     assert summary.main([str(path)]) == 0
     assert summary.main([str(tmp_path / "missing.txt")]) == 2
 
@@ -82,7 +90,7 @@ def test_summary_takes_the_faster_of_several_of_ours_at_each_shape(tmp_path):
                          (128, {"MLA_TUNE_TRITON": 200.0, "FLASHMLA": 180.0})):
         for backend, us in times.items():
             rows.append({**base, "batch": batch, "backend": backend, "median_us": us,
-                         "frac": 0.7 if backend.endswith("FP8Q") else 0.5})
+                         "frac": 0.7 if backend.endswith("FP8Q") else 0.5, "bw": 0.6})
     path = tmp_path / "k.txt"
     path.write_text("\n".join([bench.HEADER] + [bench.format_row(r) for r in rows]) + "\n")
     parsed = summary.parse_rows(path.read_text().splitlines())
@@ -93,9 +101,9 @@ def test_summary_takes_the_faster_of_several_of_ours_at_each_shape(tmp_path):
     assert summary.ratio_table(parsed)[2] == "| dense FP8 | FLASHMLA | 2 | 0.87 (0.83-0.90) | missed | " \
         "h64 b64 kv4096 0.83, h64 b128 kv4096 0.90 |"
     assert summary.bandwidth_table(parsed, both)[2:] == [
-        "| fp8_e4m3 MLA_TUNE_TRITON | 64 | 2 | 0.50 (0.50-0.50) |",
-        "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.70 (0.70-0.70) |",
-        "| fp8_e4m3 FLASHMLA | 64 | 2 | 0.50 (0.50-0.50) |"]
+        "| fp8_e4m3 MLA_TUNE_TRITON | 64 | 2 | 0.60 (0.60-0.60) | 0.50 (0.50-0.50) |",
+        "| fp8_e4m3 MLA_TUNE_TRITON_FP8Q | 64 | 1 | 0.60 (0.60-0.60) | 0.70 (0.70-0.70) |",
+        "| fp8_e4m3 FLASHMLA | 64 | 2 | 0.60 (0.60-0.60) | 0.50 (0.50-0.50) |"]
     assert summary.main(["--ours", ",".join(both), str(path)]) == 0
     with pytest.raises(SystemExit) as exc:
         summary.main(["--ours", "", str(path)])
