@@ -241,8 +241,6 @@ FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 22, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
 # The wide FP8-query form's p @ v products over the launch's packed rows bucket (16 or 32 of its 64 rows) where
 # there are no more, instead of all 64.
 FP8Q_WIDE_PV_ROWS = True
-# The wide FP8-query form asks the L2 for this many tiles past its slots' TMA copies (0: none).
-FP8Q_WIDE_L2_AHEAD_TILES = 0
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -371,4 +369,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows, L2_AHEAD=FP8Q_WIDE_L2_AHEAD_TILES if wide else 0)
+        SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows)

@@ -59,25 +59,6 @@ def _o_t_store_layout(rows):
 
 
 @gluon.jit
-def _l2_ask(src: KvSource, u):
-    """Ask the L2 for tile `u`'s rows, if the program has it: one bulk prefetch a page's piece of the tile, from the
-    warpgroup's first thread (TMA launches only: their pages' rows lie back to back), nothing to wait for."""
-    if u < src.n_tiles:
-        BOX: gl.constexpr = src.PAGE_SIZE if src.PAGE_SIZE < src.BLOCK_N else src.BLOCK_N
-        lane = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        n0 = src.start + u * src.BLOCK_N
-        for j in gl.static_range(src.BLOCK_N // BOX):
-            item = n0 + j * BOX
-            page = gl.load(src.bt_row + item // src.PAGE_SIZE).to(gl.int64)
-            base = src.kv_ptr + page * src.stride_kvp + (item % src.PAGE_SIZE) * src.stride_kvt
-            gl.inline_asm_elementwise(
-                "{\n\t.reg .pred first;\n\tsetp.eq.s32 first, $2, 0;\n\t"
-                "@first cp.async.bulk.prefetch.L2.global [$1], $3;\n\tmov.u32 $0, 0;\n\t}",
-                "=r,l,r,r", [base + lane * 0, lane, lane * 0 + BOX * src.stride_kvt], dtype=gl.int32, is_pure=False,
-                pack=1)
-
-
-@gluon.jit
 def _issue_copy(ring: Ring, t, row, ok):
     """Once the slot of tile `t` is released, `_fp8q_copy` of its rows (`row`, `ok`: read a tile ahead, none past
     the range)."""
@@ -249,21 +230,14 @@ def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constex
 
 @gluon.jit
 def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
-             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr, L2_AHEAD: gl.constexpr):
+             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
     released, then `o^T += v^T p^T` over the first `PV_ROWS` rows (the rest are past the launch's packed rows); at
-    the end those output columns. `L2_AHEAD` (with TMA, warpgroup 0): the L2 asked for the `L2_AHEAD` tiles past
-    the slots' copies, tile `t + STAGES + L2_AHEAD - 1` as tile t's p @ v starts."""
+    the end those output columns."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PV_ROWS, 32])
     acc = gl.zeros([256, PV_ROWS], gl.float32, o_layout)
-    ASK: gl.constexpr = TMA and L2_AHEAD > 0 and HALF == 0
-    if ASK:
-        for u in gl.static_range(L2_AHEAD - 1):
-            _l2_ask(src, ring.STAGES + u)
     for t in range(prog.n_tiles):
-        if ASK:
-            _l2_ask(src, t + ring.STAGES + L2_AHEAD - 1)
         buf = t % P_BUFFERS
         mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
         acc = acc * alpha_smem.index(buf).slice(0, PV_ROWS).load(gl.SliceLayout(0, o_layout))[None, :]
@@ -304,7 +278,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, L2_AHEAD: gl.constexpr = 0):
+                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS):
     """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
     (`PV_REGS` registers a thread; `PV_ROWS`: the rows they multiply, 16 or 32 where the launch packs no more) as
     workers."""
@@ -341,7 +315,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
                         rope_desc, TMA, SCORES_AHEAD)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS, L2_AHEAD)),
+                    PV_ROWS)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS, L2_AHEAD))],
+                    PV_ROWS))],
         [4, 4], [PV_REGS, PV_REGS])
