@@ -231,6 +231,7 @@ CEILINGS = ("copy_gbs", "matmul_tflops", "e4m3_matmul_tflops")
 
 
 def ceilings_line(env: dict) -> str:
+    """The ceilings as a result file's comment line."""
     return (f"# copy bandwidth {env['copy_gbs']:.0f} GB/s (read+write), bf16 matmul {env['matmul_tflops']:.0f} "
             f"TFLOP/s, e4m3 matmul {env['e4m3_matmul_tflops']:.0f} TFLOP/s")
 
