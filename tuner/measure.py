@@ -388,13 +388,19 @@ def _steps(task: ShapeTask, problem, inputs, overrides: dict, emit) -> list[_Ste
     return steps
 
 
+def engine_seq_len(problem, shape, configured: int | None) -> int | None:
+    """vLLM's max_seq_len for a unit's engine step: `configured`, at least the shape's kv_len (dense); None (sparse,
+    whose launch does not take it)."""
+    return None if problem.sparse else max(configured or 0, shape.kv_len)
+
+
 def _engine_step(task: ShapeTask, name: str, adapter, emit) -> _Step | None:
     """The launch our vLLM backend makes of a refined backend (vLLM's max_seq_len: at least the shape's kv_len),
     or None where the adapter has none."""
     make = getattr(adapter, "vllm_launch", None)
     if make is None:
         return None
-    max_seq_len = None if task.problem.sparse else max(task.engine_max_seq_len or 0, task.shape.kv_len)
+    max_seq_len = engine_seq_len(task.problem, task.shape, task.engine_max_seq_len)
     return _Step(f"{name}{ENGINE_STEP}", name, make(max_seq_len=max_seq_len), label="vLLM launch", engine=True,
                  max_seq_len=max_seq_len)
 

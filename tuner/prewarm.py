@@ -52,7 +52,11 @@ def build_in_worker(job: CompileJob, emit, *, device: str) -> None:
     try:
         inputs = make_inputs(job.problem, job.shape, device=dev)
         adapter = resolve_adapter(job.backend, dict(job.adapters))
-        runner = (adapter(params=job.params) if job.params is not None else adapter()).prepare(job.problem, inputs)
+        if job.engine:
+            adapter = adapter().vllm_launch(max_seq_len=job.max_seq_len)
+        else:
+            adapter = adapter(params=job.params) if job.params is not None else adapter()
+        runner = adapter.prepare(job.problem, inputs)
         getattr(runner, "prebuild", runner.run)(inputs)  # our kernel also builds its other combine launch
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -153,10 +157,12 @@ class PrewarmResult:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_identity(plans: Sequence, *, prefixes: Sequence[str], seed: int) -> tuple:
-    """What decides the builds of `plans`: every unit's (backend, problem, shape) of a backend that builds."""
+def plan_identity(plans: Sequence, *, prefixes: Sequence[str], seed: int,
+                  engine_max_seq_len: int | None = None) -> tuple:
+    """What decides the builds of `plans`: every unit's (backend, problem, shape) of a backend that builds, and
+    vLLM's max_seq_len for the engine steps."""
     builds = (*prefixes, *OUR_TRITON, VLLM_TRITON)
-    return (seed, tuple(sorted(repr((b, plan.work.problem, shape)) for plan in plans for shape in plan.todo
+    return (seed, engine_max_seq_len, tuple(sorted(repr((b, plan.work.problem, shape)) for plan in plans for shape in plan.todo
                                for b in plan.backends if b.startswith(builds))))
 
 
@@ -172,9 +178,10 @@ class _Pool:
     once the first worker has said how many SMs the GPU has."""
 
     def __init__(self, jobs: list[CompileJob], *, plans, marks: BuildMarks, gpu: str, seed: int, adapters,
-                 enumerated: bool):
+                 enumerated: bool, engine_max_seq_len: int | None = None):
         self.pending, self.plans, self.marks = jobs, plans, marks
         self.gpu, self.seed, self.adapters = gpu, seed, adapters
+        self.engine_max_seq_len = engine_max_seq_len
         self.lock = threading.Lock()
         self.enumerated = threading.Event()
         if enumerated:
@@ -195,7 +202,8 @@ class _Pool:
         try:
             self.marks.save_device_facts(self.gpu, facts)
             jobs = [job for job in triton_jobs(self.plans, num_sms=facts["num_sms"], cc_major=facts["cc_major"],
-                                               seed=self.seed, adapters=self.adapters)
+                                               seed=self.seed, adapters=self.adapters,
+                                               engine_max_seq_len=self.engine_max_seq_len)
                     if not self.marks.done(job.builds[0])]
             with self.lock:
                 self.pending = sorted(self.pending + jobs, key=lambda job: job.rank)
@@ -237,6 +245,7 @@ class _Pool:
 def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_device: str = "cuda",
             cuda_visible: str | None = None, bench: str | None = None, timeouts_s: dict | None = None,
             adapters: tuple[tuple[str, str], ...] = (), prefixes: Sequence[str] = JIT_PREFIXES, seed: int = 0,
+            engine_max_seq_len: int | None = None,
             max_workers: int | None = None, marks: BuildMarks | None = None) -> PrewarmResult | None:
     """Build what `plans` will build, in parallel workers on one GPU (None: no backend of theirs builds anything);
     never raises for a failed build.
@@ -249,12 +258,13 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
         adapters: backend name -> "module:Class" overrides (tests).
         prefixes: backends that build a JIT library (`variants.JIT_PREFIXES`).
         seed: the units' input seed (our kernel's splits follow the inputs' lengths).
+        engine_max_seq_len: `TuneOptions.engine_max_seq_len` (our vLLM backend's launch depends on it).
         max_workers: at most this many workers (each holds a CUDA context); None = one per CPU.
     """
     started = time.monotonic()
     marks = marks or BuildMarks(fingerprint=fingerprint, sku=sku)
-    whole = plan_identity(plans, prefixes=prefixes, seed=seed)
-    if not whole[1]:
+    whole = plan_identity(plans, prefixes=prefixes, seed=seed, engine_max_seq_len=engine_max_seq_len)
+    if not whole[-1]:
         return None
     if marks.done(whole):
         return PrewarmResult(time.monotonic() - started, "JIT pre-build (every build already on disk)")
@@ -262,6 +272,7 @@ def prewarm(plans: Sequence, *, gpu: str, sku: str, fingerprint: str, worker_dev
     wants_triton = any(b in (*OUR_TRITON, VLLM_TRITON) for plan in plans if plan.todo for b in plan.backends)
     facts = marks.device_facts(gpu) if wants_triton else None
     pool = _Pool(jobs, plans=plans, marks=marks, gpu=gpu, seed=seed, adapters=adapters,
+                 engine_max_seq_len=engine_max_seq_len,
                  enumerated=not wants_triton)
     if facts is not None:
         pool.add_triton_jobs(facts)

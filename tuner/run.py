@@ -253,7 +253,7 @@ def _prewarm_jit(work: list[tuple[list[DeviceInfo], list[KeyPlan], SoftwareFinge
                              worker_device=options.worker_device, cuda_visible=gpu, bench=options.bench,
                              timeouts_s=dict(options.timeouts_s or {}),
                              adapters=tuple((options.adapters or {}).items()), prefixes=options.jit_prefixes,
-                             seed=options.seed,
+                             seed=options.seed, engine_max_seq_len=options.engine_max_seq_len,
                              max_workers=max(1, mib // PREWARM_WORKER_MIB) if mib else None)
         except Exception as exc:  # noqa: BLE001 - the pre-build is an optimisation; the units build and record
             report.seconds["JIT pre-build (failed)"] += time.monotonic() - started

@@ -20,6 +20,7 @@ from mla_tune.tuner.decide import NoDecision, decide
 from mla_tune.tuner.measure import Outcome, ShapeTask
 from mla_tune.tuner.plan import KeyPlan, Unit, plan_units, unit_estimate_s
 from mla_tune.tuner.progress import TuneProgress
+from mla_tune.tuner.variants import plan_max_seq_len
 from mla_tune.tuner.worker import ShapeResult, Worker
 
 if TYPE_CHECKING:
@@ -149,11 +150,10 @@ class SkuTune:
     def _measure(self, worker: Worker, device: DeviceInfo, unit: Unit) -> None:
         """Measure one unit, store its rows, account its seconds, and decide its key when it was the last shape."""
         plan = self.plans[unit.key_index]
-        longest = max(shape.kv_len for shape in plan.work.shapes)
         task = ShapeTask(plan.work.problem, unit.shape, plan.backends, seed=self.options.seed,
                          rel_ci_target=self.options.rel_ci_target, max_seconds=self.max_seconds,
                          adapters=tuple((self.options.adapters or {}).items()),
-                         engine_max_seq_len=self.options.engine_max_seq_len or longest)
+                         engine_max_seq_len=plan_max_seq_len(plan, self.options.engine_max_seq_len))
         started = time.monotonic()
         self.progress.unit_started(plan.key, unit.shape, device)
         result = worker.run_shape(task, on_event=lambda ev: self.progress.event(device, ev))

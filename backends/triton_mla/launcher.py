@@ -80,11 +80,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if sparse and params.hoist_pages % params.block_n:
         raise ValueError(f"sparse hoist_pages {params.hoist_pages} is not a multiple of block_n {params.block_n}")
     splits = params.num_splits
-    split_items = params.split_items
-    capacity = topk if sparse else block_table.shape[1] * page_size
-    longest_split = triton.cdiv(triton.cdiv(capacity, splits), params.block_n) * params.block_n
-    if split_items <= 0:
-        split_items = longest_split
+    split_items, tiles = split_extent(params, capacity=topk if sparse else block_table.shape[1] * page_size)
     if params.split_per_request and sparse:
         raise ValueError("split_per_request sizes dense splits; a sparse request's length is its top-k")
     o_dst, o_strides, l_dst, l_strides = _destinations(out, lse, workspace, splits)
@@ -114,10 +110,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
                   order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=lets_combine_start)
     if params.warp_specialized:
-        # per request, the longest split is a full block table's
-        most = max(split_items, longest_split) if params.split_per_request else split_items
-        compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params,
-                                  tiles=triton.cdiv(most, params.block_n), ds_mla=ds_mla, q_amax=q_amax)
+        compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params, tiles=tiles,
+                                  ds_mla=ds_mla, q_amax=q_amax)
     else:
         compiled = _mla_split_kernel[grid](
             *args, **common, D_LATENT=D_LATENT, D_ROPE=D_ROPE, BLOCK_H=params.block_h, KV_CAST=kv_cast,
@@ -135,6 +129,16 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             _combine(workspace, out, lse, o_strides, l_strides, **combine, after_stage1=not early_combine,
                      compile_only=True)
     return compiled
+
+
+def split_extent(params: LaunchParams, *, capacity: int) -> tuple[int, int]:
+    """(split_items, tiles): the items of a split as stage 1 is given it (`params.split_items`, or where that is 0
+    the longest split of `capacity` items: a block table's tokens, or the top-k), and the most KV tiles one program
+    has (with `split_per_request` a request's split may be as long as a full table's)."""
+    longest_split = triton.cdiv(triton.cdiv(capacity, params.num_splits), params.block_n) * params.block_n
+    split_items = params.split_items if params.split_items > 0 else longest_split
+    most = max(split_items, longest_split) if params.split_per_request else split_items
+    return split_items, triton.cdiv(most, params.block_n)
 
 
 def _dependent_launches(q: torch.Tensor) -> bool:

@@ -8,6 +8,8 @@ Only views are taken of vLLM's cache, block table and sequence lengths.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 MAX_DECODE_QUERY_LEN = 4  # query tokens per request our kernel runs in one launch
@@ -62,6 +64,38 @@ def dense_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache:
     return out.view(tokens, num_heads, -1), lse.view(tokens, num_heads)
 
 
+class KernelLaunch(NamedTuple):
+    """What `dense_forward` or `sparse_forward` hands our kernel for a batch of a problem (`kernel_launch`)."""
+
+    problem: object          # `backends.problem.Problem` as the kernel sees it (query tokens folded into requests)
+    batch: int               # requests as the kernel sees them
+    params: object           # `LaunchParams`
+    table_stride: int        # the block table's row stride: the pages of max_seq_len, 0 for the sparse identity row
+    kv_scale_is_ptr: bool    # vLLM's k_scale is passed as a tensor (an e4m3 cache)
+
+
+def kernel_launch(problem, batch: int, *, max_seq_len: int | None, num_sms: int, cc_major: int | None) -> KernelLaunch:
+    """What `dense_forward` (vLLM's `max_seq_len`) or `sparse_forward` launches for `batch` requests of `problem`
+    (`backends.problem.Problem`), for the pre-build to list."""
+    from dataclasses import replace
+
+    from mla_tune.backends.triton_mla.splits import params_for
+
+    kv_fp8 = problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla")
+    if problem.sparse:   # every query token is a request of its own
+        requests, query_len, max_items, stride = batch * problem.q_len, 1, problem.topk, 0
+    else:
+        folded = problem.q_len > MAX_DECODE_QUERY_LEN
+        requests, query_len = (batch * problem.q_len, 1) if folded else (batch, problem.q_len)
+        stride = -(-int(max_seq_len) // problem.page_size)
+        max_items = stride * problem.page_size
+    params = params_for(None, num_heads=problem.num_heads, q_len=query_len, batch=requests, max_items=max_items,
+                        num_sms=num_sms, sparse=problem.sparse, kv_fp8=kv_fp8, cc_major=cc_major,
+                        ds_mla=problem.kv_cache_dtype == "fp8_ds_mla")
+    return KernelLaunch(replace(problem, q_len=query_len), requests, params, stride,
+                        kv_scale_is_ptr=problem.kv_cache_dtype == "fp8_e4m3")
+
+
 class IdentityPages:
     """The page table `[tokens, num_pages]` (one arange row read with stride 0) and `[tokens]` lengths that let
     our kernel read global cache rows; allocated once per cache size for up to `max_tokens` tokens."""
@@ -79,7 +113,8 @@ class IdentityPages:
             self._table = torch.arange(num_pages, dtype=torch.int32, device=device)
             self._lengths = torch.full((self.max_tokens,), num_pages * page_rows, dtype=torch.int32, device=device)
             self._rows = num_pages * page_rows
-        return self._table.expand(tokens, num_pages), self._lengths[:tokens]
+        # stride 0 at every batch (expand gives one row the page count's stride): one kernel build for all
+        return self._table.as_strided((tokens, num_pages), (0, 1)), self._lengths[:tokens]
 
 
 def sparse_forward(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,

@@ -28,7 +28,7 @@ from mla_tune.tuner.presets import KeyWork, TuneSpec
 from mla_tune.tuner.prewarm import BuildMarks, prewarm
 from mla_tune.tuner.run import TuneOptions, TuneReport, build_plans, tune
 from mla_tune.tuner.variants import (
-    OUR_TRITON, launch_builds, our_launches, triton_jobs, unit_lengths, vllm_build)
+    OUR_TRITON, engine_launch, launch_builds, our_launches, plan_max_seq_len, triton_jobs, unit_lengths, vllm_build)
 
 H100_SMS = 132
 FP = SoftwareFingerprint(torch="2.13-test", triton="3.6", kernel_hash="cafe")
@@ -95,6 +95,11 @@ def test_default_plans_list_every_build_the_units_make_once(tmp_path, monkeypatc
                     for params in chosen:
                         launches += 1
                         needed.update(b for b in launch_builds(problem, params, kv_len=shape.kv_len) if b)
+                    # and the launch our vLLM backend makes, where the backend has one
+                    engine = engine_launch(problem, shape, backend=backend, num_sms=H100_SMS, cc_major=9,
+                                           configured=plan_max_seq_len(plan, None))
+                    assert (engine is None) == (backend == "MLA_TUNE_TRITON_FP8Q")
+                    needed.update(b for b in (engine[2] if engine else ()) if b)
                 elif backend == "TRITON_MLA":
                     # vLLM splits by the longest request, which a batch-1 job of the same length reproduces.
                     assert max(unit_lengths(problem, shape, seed=0)) == shape.kv_len
@@ -108,10 +113,10 @@ def test_default_plans_list_every_build_the_units_make_once(tmp_path, monkeypatc
     assert order == sorted(order, key=["hopper", "tl", "vllm", "combine"].index)
     stage1 = {b for job in jobs if job.kind != "combine" for b in job.builds if b[0] == "stage1"}
     for job in jobs:
-        if job.kind == "combine":
+        if job.kind == "combine" and not job.engine:   # an engine job's builds: the binder test below
             assert launch_builds(job.problem, job.params, kv_len=job.shape.kv_len)[0] in stage1
-    for job in jobs:                                            # a job builds at batch 1 with the unit's length
-        assert job.shape.batch_size == 1
+    for job in jobs:                    # a job builds at batch 1 with the unit's length; an engine job at its batch
+        assert job.shape.batch_size == 1 or job.engine
 
 
 def test_vllm_builds_follow_its_split_rule():
@@ -137,7 +142,8 @@ def test_worker_reports_its_gpu_and_the_pool_builds_each_launch_once_then_nothin
               prefixes=("FAKE_",), max_workers=1)
     first = prewarm(plans, **kw)
     # The CPU worker reports the interpreter's 4 SMs and no compute capability; the launches follow from them.
-    expected = [f"16 1 {job.params.label()}" for job in triton_jobs(plans, num_sms=4, cc_major=None)]
+    expected = [f"16 1 {job.params.label()}" for job in triton_jobs(plans, num_sms=4, cc_major=None,
+                                                                     adapters=kw["adapters"])]
     assert sorted(log.read_text().splitlines()) == sorted(expected) and expected
     assert first.label == f"JIT pre-build ({len(expected) + 1} builds, 1 workers)"
     assert first.notes[0].startswith(f"JIT pre-build: {len(expected) + 1} build(s) (1 JIT libraries, ")
@@ -148,7 +154,8 @@ def test_worker_reports_its_gpu_and_the_pool_builds_each_launch_once_then_nothin
     # A new shape: the SM count is known, only its new builds run, the others stay marked.
     more = _plans(problem, ("MLA_TUNE_TRITON",), (*shapes, Shape(1, 4000)))
     prewarm(more, **kw)
-    new = {f"16 1 {job.params.label()}" for job in triton_jobs(more, num_sms=4, cc_major=None)} - set(expected)
+    new = {f"16 1 {job.params.label()}" for job in triton_jobs(more, num_sms=4, cc_major=None,
+                                                                adapters=kw["adapters"])} - set(expected)
     assert new and sorted(log.read_text().splitlines()) == sorted(expected + list(new))
     # A plan never seen whose builds are all marked: listed in this process, no worker started.
     fewer = prewarm(_plans(problem, ("MLA_TUNE_TRITON", "FAKE_GOOD"), shapes[:2]), **kw)
@@ -276,6 +283,95 @@ def test_a_stage1_build_has_the_constexprs_the_launcher_gives_its_launch(monkeyp
     kv = torch.empty(2, 64, 576, dtype=torch.float8_e4m3fn)
     launcher._launch_hopper((), (1, 2, 1), {"SPARSE": False, "Q_LEN": 1}, q=cuda_q, kv_cache=kv, params=params,
                             tiles=4096 // params.block_n)
-    form = dict(launch_builds(problem, params, kv_len=4096)[0][8])
+    form = dict(launch_builds(problem, params, kv_len=4096)[0][9])
     assert form == {name: seen[0][name] for name in form}
     assert form["PV_ROWS"] == {16: 16, 20: 32, 64: 64}[heads]
+
+
+def _unit_inputs(problem: Problem, shape: Shape) -> DecodeInputs:
+    """A unit's inputs as `make_inputs` lays them out (same lengths, block table, top-k), the caches left unfilled:
+    what a launch's Triton key depends on, at any batch, on a CPU."""
+    from mla_tune.backends.inputs import random_topk_indices, scattered_block_table
+
+    lengths = ragged_lengths(shape, page_size=problem.page_size, min_len=problem.q_len)
+    table, pages = scattered_block_table(lengths, page_size=problem.page_size)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    fp8 = problem.kv_cache_dtype == "fp8_e4m3"
+    topk = random_topk_indices(seq_lens, q_len=problem.q_len, topk=problem.topk,
+                               generator=torch.Generator().manual_seed(0)) if problem.sparse else None
+    q = torch.empty(shape.batch_size, problem.q_len, problem.num_heads, 576, dtype=torch.bfloat16)
+    kv = torch.empty(pages, problem.page_size, 576, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    return DecodeInputs(q=q, kv_cache=kv, block_table=torch.tensor(table, dtype=torch.int32), seq_lens=seq_lens,
+                        sm_scale=0.1, kv_scale=0.02 if fp8 else None, topk_indices=topk)
+
+
+@pytest.mark.parametrize("max_batch", [pytest.param(4, id="small-batches"),
+                                       pytest.param(None, id="every-shape", marks=pytest.mark.slow)])
+def test_the_units_launch_nothing_the_prebuild_did_not_build(tmp_path, monkeypatch, max_batch):
+    """On a faked H100, every Triton key the default tune's units launch (each candidate tile, the launch our vLLM
+    backend makes, the Hopper kernel, the combine, the query rounding) is one a pre-build job launched: Triton's
+    binder gives the keys, the jobs run through `build_in_worker` itself."""
+    from mla_tune.backends.triton_mla import adapter, decode, hopper, launcher, query_e4m3
+    from mla_tune.tuner.measure import ShapeTask, _steps
+    from mla_tune.tuner.prewarm import build_in_worker
+
+    for module in (adapter, decode, launcher):
+        monkeypatch.setattr(module, "cc_major", lambda device: 9)
+        monkeypatch.setattr(module, "sm_count", lambda device: H100_SMS)
+    monkeypatch.setattr(query_e4m3, "cc_major", lambda device: 9)
+    keys = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: keys.append(_triton_identity(self.kernel, args, kwargs))
+
+        def warmup(self, *args, grid, **kwargs):
+            keys.append(_triton_identity(self.kernel, args, kwargs))
+
+    for module, name in ((launcher, "_mla_split_kernel"), (launcher, "_mla_combine_kernel"),
+                         (hopper, "_mla_hopper_kernel"), (query_e4m3, "_round_query_kernel")):
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name)))
+    launch_hopper = launcher._launch_hopper
+
+    def hopper_on_cpu(*args, q, **kwargs):   # Gluon has no interpreter: the binder alone takes the launch
+        return launch_hopper(*args, q=q.as_subclass(_CudaLooking), **kwargs)
+
+    monkeypatch.setattr(launcher, "_launch_hopper", hopper_on_cpu)
+    plans = _default_plans(tmp_path, max_batch=max_batch)
+    unit_keys = set()
+    for plan in plans:
+        problem = plan.work.problem
+        for shape in plan.todo:
+            task = ShapeTask(problem, shape, tuple(b for b in plan.backends if b in OUR_TRITON),
+                             engine_max_seq_len=plan_max_seq_len(plan, None))
+            inputs = _unit_inputs(problem, shape)
+            steps = _steps(task, problem, inputs, {}, emit=lambda event: pytest.fail(f"{event}"))
+            assert any(step.engine for step in steps) == ("MLA_TUNE_TRITON" in plan.backends or problem.sparse)
+            for step in steps:
+                step.adapter.prepare(problem, inputs)
+            unit_keys.update(keys)
+            keys.clear()
+    job_keys, stage1_jobs = set(), Counter()
+    for job in triton_jobs(plans, num_sms=H100_SMS, cc_major=9):
+        if job.kind == "vllm":
+            continue
+        events = []
+        build_in_worker(job, events.append, device="cpu")
+        assert events[1][2].status == "ok", (job.label(), events[1])
+        if job.kind != "combine":   # a combine job runs a stage 1 built before it
+            stage1_jobs.update({key for key in keys if key[0] in ("_mla_split_kernel", "_mla_hopper_kernel")})
+        job_keys.update(keys)
+        keys.clear()
+    assert unit_keys <= job_keys, sorted(unit_keys - job_keys)[:3]
+    assert max(stage1_jobs.values()) == 1     # no stage-1 build made by two jobs
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that passes the Hopper launcher's device check (its arguments go to Triton's binder only)."""
+
+    @property
+    def is_cuda(self):
+        return True
