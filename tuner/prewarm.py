@@ -2,7 +2,7 @@
 
 On a fresh machine the units would build FlashInfer modules (25-40 s each) and a few dozen Triton kernels (a few
 seconds each) one after the other, as their keys come up. Here `variants.py` lists the distinct builds and a pool
-of workers (one process each, at most one per CPU) prepares each build once on a batch-1 shape, so the builds
+of workers (one process each, at most one per CPU) prepares each build once on a small shape, so the builds
 overlap and land in the on-disk caches (FlashInfer's JIT folder, Triton's cache) that the units then load from.
 Nothing is timed, gated or stored: a build that fails here fails again, and is recorded, in the real units.
 
