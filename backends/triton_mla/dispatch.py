@@ -241,6 +241,9 @@ FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 22, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
 # The wide FP8-query form's p @ v products over the launch's packed rows bucket (16 or 32 of its 64 rows) where
 # there are no more, instead of all 64.
 FP8Q_WIDE_PV_ROWS = True
+# And its scores transposed there (`s^T = k q^T`: m64 over the tokens, the rows bucket on N), instead of the rows on
+# M with 48 or 32 of every 64 padding.
+FP8Q_WIDE_SCORES_T = True
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -369,4 +372,5 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         QUERY_IN_CONSUMER=form not in QUERY_BEFORE_PARTITIONS, L2_PREFETCH=form in L2_PREFETCH_FORMS or ds_mla,
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
-        SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows)
+        SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
+        SCORES_T=wide and FP8Q_WIDE_SCORES_T and pv_rows < HOPPER_FP8_QUERY_SHAPES[64].block_h)

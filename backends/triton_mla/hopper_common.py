@@ -372,8 +372,9 @@ def _epilogue(acc, m_i, l_i, prog: Program, o_layout: gl.constexpr, rows_m: gl.c
 
 
 @gluon.jit
-def _store_lse(m_i, l_i, prog: Program, rows_m: gl.constexpr):
-    """The 64-row forms' LSE from the base-2 running max `m_i` and the row sums `l_i` (both in `rows_m`)."""
-    qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_m, prog.Q_LEN, prog.SPARSE)
+def _store_lse(m_i, l_i, prog: Program, rows_m: gl.constexpr, N_ROWS: gl.constexpr = ROWS):
+    """The 64-row forms' LSE of their first `N_ROWS` rows from the base-2 running max `m_i` and the row sums `l_i`
+    (both in `rows_m`)."""
+    qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_m, prog.Q_LEN, prog.SPARSE, N_ROWS)
     gl.store(prog.lse_ptr + prog.b.to(gl.int64) * prog.stride_lb + prog.split * prog.stride_ls + qi * prog.stride_lt
              + h * prog.stride_lh, _lse(m_i, l_i), mask=ok)

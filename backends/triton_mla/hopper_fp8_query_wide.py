@@ -99,10 +99,19 @@ def _partial_copy(ring: Ring, src: KvSource, t):
 
 
 @gluon.jit
-def _scores(q_lat, q_rope, ring: Ring, slot, zero_s):
-    """The score MMAs of the tile in `slot` (rows on M, one m64n64 chain over 576 columns), issued asynchronously."""
-    s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    return warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
+def _scores(q_lat, q_rope, ring: Ring, slot, zero_s, SCORES_T: gl.constexpr):
+    """The score MMAs of the tile in `slot`, issued asynchronously: rows on M (one m64n64 chain over 576 columns),
+    or with `SCORES_T` transposed, `s^T = k q^T`, the tokens on M and only the rows bucket's rows (`zero_s`'s
+    columns) on N."""
+    if SCORES_T:
+        R: gl.constexpr = zero_s.shape[1]
+        s = warpgroup_mma(ring.k_rope.index(slot), q_rope.slice(0, R).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma(ring.k_lat.index(slot), q_lat.slice(0, R).permute((1, 0)), s, is_async=True)
+    else:
+        s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat, ring.k_lat.index(slot).permute((1, 0)), s, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -134,6 +143,116 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
 
 
 @gluon.jit
+def _softmax_t_to_p(s, t, m_i, l_acc, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
+                    prog: Program, s_layout: gl.constexpr):
+    """`_softmax_to_p` on transposed scores (`s^T`, `[tokens, rows]`): the max over the tokens (across the
+    warpgroup's warps), p^T stored as p into the buffer's first rows; the row sums kept per token (`l_acc`) and
+    reduced once after the loop."""
+    BLOCK_N: gl.constexpr = prog.BLOCK_N
+    R: gl.constexpr = s.shape[1]
+    s = s * score_scale[None, :]
+    if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
+        pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
+                                  gl.SliceLayout(1, s_layout), BLOCK_N, prog.SPARSE)
+        s = gl.where(ok[:, None] & (pos[:, None] < visible_len[None, :]), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
+    l_acc = l_acc * alpha[None, :] + p.to(gl.float32)
+    buf = t % P_BUFFERS
+    mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
+    p_smem.index(buf).slice(0, R).permute((1, 0)).store(p)
+    alpha_smem.index(buf).slice(0, R).store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(p_full.index(buf))
+    return m_new, l_acc
+
+
+@gluon.jit
+def _wide_scorer_t(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
+                   prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
+                   R: gl.constexpr):
+    """`_wide_scorer` for a launch of `R` (16 or 32) packed rows, on transposed scores (`SCORES_T`): m64nR MMAs,
+    where rows on M leave 48 or 32 of every 64 padding."""
+    BLOCK_N: gl.constexpr = prog.BLOCK_N
+    AHEAD: gl.constexpr = ring.STAGES - 1
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, R, 32])
+    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    copy_row, copy_ok = _first_copies(ring, src, prog, lat_desc, rope_desc, TMA)
+    # the rounded query's factors as the 64-row copy gives them, then the first R in the transposed row layout
+    scale_64 = _store_query_e4m3(prog, q_lat, q_rope, _ROWS_64)
+    l_smem.store(scale_64)
+    _partition_barrier()
+    score_scale = l_smem.slice(0, R).load(rows_s) * prog.qk_scale
+    qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, R)
+    visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
+    interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)
+    m_i = gl.full([R], float("-inf"), gl.float32, rows_s)
+    zero_s = gl.zeros([BLOCK_N, R], gl.float32, s_layout)
+    l_acc = zero_s
+    if TMA and SCORES_AHEAD:
+        s_prev = zero_s
+        for t in range(prog.n_tiles):
+            _tma_landed(ring, src, t)
+            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, True)
+            if t > 0:
+                m_i, l_acc = _softmax_t_to_p(s_prev, t - 1, m_i, l_acc, score_scale, visible_len, interior_end,
+                                             p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
+                _partial_copy(ring, src, t - 1)
+            s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
+        if prog.n_tiles > 0:
+            m_i, l_acc = _softmax_t_to_p(s_prev, prog.n_tiles - 1, m_i, l_acc, score_scale, visible_len,
+                                         interior_end, p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
+    else:
+        for t in range(prog.n_tiles):
+            slot = t % ring.STAGES
+            if TMA:
+                _tma_landed(ring, src, t)
+            else:
+                _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
+                copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)
+                _copied(ring, slot, AHEAD)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, True),))
+            m_i, l_acc = _softmax_t_to_p(s, t, m_i, l_acc, score_scale, visible_len, interior_end, p_smem,
+                                         alpha_smem, p_full, p_empty, prog, s_layout)
+            if TMA:
+                _partial_copy(ring, src, t)
+    async_copy.wait_group(0)
+    l_i = gl.sum(l_acc, 0)
+    _partition_barrier()  # every thread has read the factors from l_smem before the sums overwrite them
+    l_smem.slice(0, R).store(l_i)
+    mbarrier.arrive(l_bar)
+    _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s, R)
+
+
+# The scorer's 64 rows, the layout their factors are read in before the transposed scorer takes its R of them
+_ROWS_64 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
+def _first_copies(ring: Ring, src: KvSource, prog: Program, lat_desc, rope_desc, TMA: gl.constexpr):
+    """The scorer's copies before its loop: with TMA the first STAGES tiles (in halves, as the p @ v warpgroups copy
+    them later: two arrivals a tile), otherwise `cp.async` of the first STAGES - 1; returns the next tile's rows."""
+    copy_row, copy_ok = _next_rows(src, 0)
+    if TMA:
+        for t in gl.static_range(ring.STAGES):
+            if t < prog.n_tiles:
+                if tma_reads(src, t):
+                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 0, 2, True)
+                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 2, 2, False)
+                else:
+                    part_row, part_ok = _next_rows(src, t)
+                    _fp8q_copy(ring, t, part_row, part_ok, True)
+    else:
+        for t in gl.static_range(ring.STAGES - 1):
+            _issue_copy(ring, t, copy_row, copy_ok)
+            copy_row, copy_ok = _next_rows(src, t + 1)
+    return copy_row, copy_ok
+
+
+@gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
                  prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
@@ -146,20 +265,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    if TMA:  # halves, as the p @ v warpgroups copy them later: two arrivals a tile
-        for t in gl.static_range(ring.STAGES):
-            if t < prog.n_tiles:
-                if tma_reads(src, t):
-                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 0, 2, True)
-                    tma_tile(ring, src, t, ring.full_bars.index(t), lat_desc, rope_desc, 2, 2, False)
-                else:
-                    part_row, part_ok = _next_rows(src, t)
-                    _fp8q_copy(ring, t, part_row, part_ok, True)
-    else:
-        copy_row, copy_ok = _next_rows(src, 0)
-        for t in gl.static_range(AHEAD):
-            _issue_copy(ring, t, copy_row, copy_ok)
-            copy_row, copy_ok = _next_rows(src, t + 1)
+    copy_row, copy_ok = _first_copies(ring, src, prog, lat_desc, rope_desc, TMA)
     score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
@@ -171,7 +277,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         s_prev = zero_s
         for t in range(prog.n_tiles):
             _tma_landed(ring, src, t)
-            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s)
+            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, False)
             if t > 0:  # the previous tile's softmax while this tile's score MMAs run
                 m_i, l_i = _softmax_to_p(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
                                          alpha_smem, p_full, p_empty, prog, s_layout)
@@ -189,7 +295,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                 _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
                 copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
                 _copied(ring, slot, AHEAD)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s),))
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, False),))
             m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
                                      p_full, p_empty, prog, s_layout)
             if TMA:
@@ -278,11 +384,12 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS):
-    """This form's shared memory and barriers, and its partitions: the scorer by default, the two p @ v warpgroups
-    (`PV_REGS` registers a thread; `PV_ROWS`: the rows they multiply, 16 or 32 where the launch packs no more) as
-    workers."""
+                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False):
+    """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
+    scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
+    they multiply, 16 or 32 where the launch packs no more) as workers."""
     gl.static_assert(PV_ROWS == 16 or PV_ROWS == 32 or PV_ROWS == ROWS, "PV_ROWS: 16, 32 or 64")
+    gl.static_assert(not SCORES_T or PV_ROWS < ROWS, "SCORES_T: 16 or 32 rows")
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     STAGES: gl.constexpr = prog.STAGES
     dtype: gl.constexpr = src.kv_ptr.dtype.element_ty
@@ -311,11 +418,21 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
-    gl.warp_specialize([
-        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
-                        rope_desc, TMA, SCORES_AHEAD)),
-        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS)),
-        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS))],
-        [4, 4], [PV_REGS, PV_REGS])
+    if SCORES_T:
+        gl.warp_specialize([
+            (_wide_scorer_t, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                              lat_desc, rope_desc, TMA, SCORES_AHEAD, PV_ROWS)),
+            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
+                        TMA, PV_ROWS)),
+            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
+                        TMA, PV_ROWS))],
+            [4, 4], [PV_REGS, PV_REGS])
+    else:
+        gl.warp_specialize([
+            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
+                            lat_desc, rope_desc, TMA, SCORES_AHEAD)),
+            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
+                        TMA, PV_ROWS)),
+            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
+                        TMA, PV_ROWS))],
+            [4, 4], [PV_REGS, PV_REGS])
