@@ -241,9 +241,11 @@ FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 22, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
 # The wide FP8-query form's p @ v products over the launch's packed rows bucket (16 or 32 of its 64 rows) where
 # there are no more, instead of all 64.
 FP8Q_WIDE_PV_ROWS = True
-# And its scores transposed there (`s^T = k q^T`: m64 over the tokens, the rows bucket on N), instead of the rows on
-# M with 48 or 32 of every 64 padding.
-FP8Q_WIDE_SCORES_T = True
+# And in these rows buckets its scores transposed (`s^T = k q^T`: m64 over the tokens, the bucket's rows on N) instead
+# of the rows on M with 48 or 32 of every 64 padding. H200 (fp8-query-wide-h200.txt 34), A / B against the rows on
+# M, batch 16-128 kv 4k-16k: 16 rows 0.94-0.97 (uniform and ragged); 32 rows 1.03-1.10 and 1.26 at batch 128 kv 16k
+# (20 and 24 heads, ragged), so not there.
+FP8Q_WIDE_SCORES_T_ROWS = frozenset({16})
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -373,4 +375,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
-        SCORES_T=wide and FP8Q_WIDE_SCORES_T and pv_rows < HOPPER_FP8_QUERY_SHAPES[64].block_h)
+        SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS)

@@ -109,8 +109,11 @@ def test_the_wide_forms_p_v_products_take_the_launchs_rows_bucket():
     narrow = LaunchParams(**fp8_query_form_tile("narrow", 16).launch_fields())
     for rows, pv_rows in ((1, 16), (16, 16), (17, 32), (20, 32), (32, 32), (33, 64), (64, 64), (128, 64),
                           (None, 64)):
-        assert hopper_constexprs(wide, kv_fp8=True, sparse=False, query_rows=rows)["PV_ROWS"] == pv_rows, rows
-    assert hopper_constexprs(narrow, kv_fp8=True, sparse=False, query_rows=16)["PV_ROWS"] == 64  # not its switch
+        const = hopper_constexprs(wide, kv_fp8=True, sparse=False, query_rows=rows)
+        assert const["PV_ROWS"] == pv_rows, rows
+        assert const["SCORES_T"] == (pv_rows == 16), rows   # the scores transposed at 16 rows only (measured)
+    const = hopper_constexprs(narrow, kv_fp8=True, sparse=False, query_rows=16)
+    assert const["PV_ROWS"] == 64 and not const["SCORES_T"]  # not its switches
 
 
 def _warp_stores(layout, element_bytes: int, vector: int) -> list[list[int]]:
@@ -373,6 +376,27 @@ def test_the_wide_fp8_query_form_compiles_to_a_scorer_and_two_p_v_warpgroups(q_l
     assert hopper_smem_bytes(block_n=64, stages=slots, rows=64, fp8_query=True) <= smem <= 227 * 1024, smem
     # Triton 3.6 (what the GPU runs): at most 8 bytes, none inside a loop; none with 3.9
     assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) <= 8, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [3, 4])
+def test_the_wide_fp8_query_form_scores_16_rows_transposed(slots):
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.config import FP8_QUERY_WIDE_PV_REGS, LaunchParams
+    from mla_tune.backends.triton_mla.dispatch import fp8_query_form_tile, hopper_constexprs
+
+    params = LaunchParams(**fp8_query_form_tile("wide").launch_fields())
+    form = hopper_constexprs(params, kv_fp8=True, sparse=False, query_rows=16)
+    ptx, _, report = hopper_compile(kv="fp8", rows=64, FP8_QUERY=True, TMA_KV=True, STAGES=slots,
+                                    SCORES_AHEAD=slots == 4, MMA_REGS=FP8_QUERY_WIDE_PV_REGS,
+                                    PV_ROWS=form["PV_ROWS"], SCORES_T=form["SCORES_T"])
+    # the scorer: 2 + 16 k-steps of m64n16k32 a tile (tokens on M, the 16 rows on N; with the rows on M, m64n64k32);
+    # each p @ v warpgroup 4 M blocks x 2 k-steps of m64n16k32, v^T in registers
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
+    register_a = re.findall(r"wgmma\.mma_async[^\n]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)
+    assert set(mmas) == {("m64n16k32", "e4m3", "e4m3")} and len(mmas) == 18 + 2 * 8 and len(register_a) == 2 * 8
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) == 0, report
 
 
 def _tma_copies(ptx: str) -> dict:
