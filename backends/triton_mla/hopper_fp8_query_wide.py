@@ -336,17 +336,8 @@ def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constex
 
 
 @gluon.jit
-def _copy_half_ahead(ring: Ring, src: KvSource, t, slot, lat_desc, rope_desc, HALF: gl.constexpr):
-    """A p @ v warpgroup's half of tile `t + STAGES` by TMA into `slot` (the first warpgroup's with the rope): the
-    scores of tile t and this warpgroup's reads of its half are done with it."""
-    if tma_reads(src, t + ring.STAGES):
-        tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2, HALF == 0)
-
-
-@gluon.jit
 def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
-             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr,
-             COPY_FIRST: gl.constexpr = False):
+             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
     released, then `o^T += v^T p^T` over the first `PV_ROWS` rows (the rest are past the launch's packed rows); at
     the end those output columns."""
@@ -361,13 +352,13 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
         v_t = _v_t_operand(ring.k_lat.index(slot), HALF * 256, o_layout)
         _partition_barrier()  # every thread's reads are done before the slot is released
         mbarrier.arrive(ring.empty_bars.index(slot))
-        if TMA and COPY_FIRST:  # this half of tile t + STAGES into the slot while this tile's products run
-            _copy_half_ahead(ring, src, t, slot, lat_desc, rope_desc, HALF)
         acc = warpgroup_mma(v_t, p_smem.index(buf).slice(0, PV_ROWS).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_empty.index(buf))
-        if TMA and not COPY_FIRST:
-            _copy_half_ahead(ring, src, t, slot, lat_desc, rope_desc, HALF)
+        if TMA:  # this half of tile t + STAGES into the slot, which the scores and these reads are done with
+            if tma_reads(src, t + ring.STAGES):
+                tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
+                         HALF == 0)
     mbarrier.wait(l_bar, 0)
     store_layout: gl.constexpr = _o_t_store_layout(PV_ROWS)
     out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, PV_ROWS]).permute((4, 1, 3, 0, 2)), [PV_ROWS, 256])
@@ -394,8 +385,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-                   COPY_FIRST: gl.constexpr = False):
+                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
     scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
     they multiply, 16 or 32 where the launch packs no more) as workers."""
@@ -434,16 +424,16 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
             (_wide_scorer_t, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
                               lat_desc, rope_desc, TMA, SCORES_AHEAD, PV_ROWS)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, COPY_FIRST)),
+                        TMA, PV_ROWS)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, COPY_FIRST))],
+                        TMA, PV_ROWS))],
             [4, 4], [PV_REGS, PV_REGS])
     else:
         gl.warp_specialize([
             (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
                             lat_desc, rope_desc, TMA, SCORES_AHEAD)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, COPY_FIRST)),
+                        TMA, PV_ROWS)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, COPY_FIRST))],
+                        TMA, PV_ROWS))],
             [4, 4], [PV_REGS, PV_REGS])
