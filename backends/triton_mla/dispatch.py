@@ -246,6 +246,9 @@ FP8Q_WIDE_PV_ROWS = True
 # M, batch 16-128 kv 4k-16k: 16 rows 0.94-0.97 (uniform and ragged); 32 rows 1.03-1.10 and 1.26 at batch 128 kv 16k
 # (20 and 24 heads, ragged), so not there.
 FP8Q_WIDE_SCORES_T_ROWS = frozenset({16})
+# With TMA and one box a tile, each p @ v warpgroup reads the block-table entry of the tile it copies next an iteration
+# ahead, so that the copy does not wait for it.
+FP8Q_WIDE_ROW_AHEAD = True
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -375,4 +378,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         CONSUMER_FENCE=HOPPER_CONSUMER_FENCE, LOADER_AHEAD=ahead,
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
-        SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS)
+        SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD)

@@ -88,11 +88,21 @@ def tma_reads(src: KvSource, t):
 
 
 @gluon.jit
+def tile_row(src: KvSource, t):
+    """The cache row of tile `t`'s first token (0 for a tile past the program's range, which no copy reads), for a
+    TMA copy of one box a tile read ahead of it (`tma_tile`'s `first_row`)."""
+    item = src.start + t * src.BLOCK_N
+    page = gl.load(src.bt_row + item // src.PAGE_SIZE, mask=tma_reads(src, t), other=0)
+    return page * src.PAGE_SIZE + item % src.PAGE_SIZE
+
+
+@gluon.jit
 def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc, BLOCK0: gl.constexpr = 0,
-             N_BLOCKS: gl.constexpr = 4, ROPE: gl.constexpr = True):
+             N_BLOCKS: gl.constexpr = 4, ROPE: gl.constexpr = True, first_row=None):
     """Tile `t`'s rows by TMA into its slot, all completing `bar`: per page's rows (or the tile's,
     for pages as long as a tile or longer) a box of latent column blocks `BLOCK0 .. BLOCK0 + N_BLOCKS - 1` (128
-    columns each; `[N_BLOCKS, rows, 128]`, a tile's rows; else one box per block) and, with `ROPE`, one of the rope."""
+    columns each; `[N_BLOCKS, rows, 128]`, a tile's rows; else one box per block) and, with `ROPE`, one of the rope;
+    `first_row`: the tile's cache row (`tile_row`), read before, where one box takes the tile."""
     BOX: gl.constexpr = rope_desc.block_type.shape[0]
     WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the column blocks of a tile's rows as one box
     if WHOLE:
@@ -102,7 +112,11 @@ def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc, BLOCK0: gl.
     n0 = src.start + t * src.BLOCK_N
     for j in gl.static_range(src.BLOCK_N // BOX):
         item = n0 + j * BOX
-        row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
+        if first_row is None:
+            row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
+        else:
+            gl.static_assert(BOX == src.BLOCK_N, "first_row: one box takes the tile")
+            row = first_row
         if WHOLE:
             # the slot's bytes as [column block, row, 128]: the 128-byte swizzled [rows, 512] layout lies so
             if _REINTERPRET:

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla_tune.backends.triton_mla.hopper_common import (
     ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
     _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, tma_reads, tma_tile
+from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, tile_row, tma_reads, tma_tile
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
@@ -337,14 +337,23 @@ def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constex
 
 @gluon.jit
 def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
-             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr):
+             src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr,
+             ROW_AHEAD: gl.constexpr = False):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
     released, then `o^T += v^T p^T` over the first `PV_ROWS` rows (the rest are past the launch's packed rows); at
-    the end those output columns."""
+    the end those output columns. With `ROW_AHEAD` and one TMA box a tile, the block-table entry of each tile it
+    copies is read an iteration before the copy."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PV_ROWS, 32])
     acc = gl.zeros([256, PV_ROWS], gl.float32, o_layout)
+    if TMA:
+        ROWS_READ_AHEAD: gl.constexpr = ROW_AHEAD and len(lat_desc.block_type.shape) == 3
+    else:
+        ROWS_READ_AHEAD: gl.constexpr = False
+    row_next = tile_row(src, ring.STAGES) if ROWS_READ_AHEAD else 0
     for t in range(prog.n_tiles):
+        if ROWS_READ_AHEAD:  # the next iteration's copy: its block-table entry loads while this one runs
+            row_after = tile_row(src, t + 1 + ring.STAGES)
         buf = t % P_BUFFERS
         mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
         acc = acc * alpha_smem.index(buf).slice(0, PV_ROWS).load(gl.SliceLayout(0, o_layout))[None, :]
@@ -357,8 +366,14 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
         mbarrier.arrive(p_empty.index(buf))
         if TMA:  # this half of tile t + STAGES into the slot, which the scores and these reads are done with
             if tma_reads(src, t + ring.STAGES):
-                tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF, 2,
-                         HALF == 0)
+                if ROWS_READ_AHEAD:
+                    tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF,
+                             2, HALF == 0, row_next)
+                else:
+                    tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF,
+                             2, HALF == 0)
+        if ROWS_READ_AHEAD:
+            row_next = row_after
     mbarrier.wait(l_bar, 0)
     store_layout: gl.constexpr = _o_t_store_layout(PV_ROWS)
     out = gl.reshape(gl.reshape(acc, [4, 4, 2, 8, PV_ROWS]).permute((4, 1, 3, 0, 2)), [PV_ROWS, 256])
@@ -385,7 +400,8 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
-                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False):
+                   SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
+                   ROW_AHEAD: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
     scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
     they multiply, 16 or 32 where the launch packs no more) as workers."""
@@ -424,16 +440,16 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
             (_wide_scorer_t, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
                               lat_desc, rope_desc, TMA, SCORES_AHEAD, PV_ROWS)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS)),
+                        TMA, PV_ROWS, ROW_AHEAD)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS))],
+                        TMA, PV_ROWS, ROW_AHEAD))],
             [4, 4], [PV_REGS, PV_REGS])
     else:
         gl.warp_specialize([
             (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
                             lat_desc, rope_desc, TMA, SCORES_AHEAD)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS)),
+                        TMA, PV_ROWS, ROW_AHEAD)),
             (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS))],
+                        TMA, PV_ROWS, ROW_AHEAD))],
             [4, 4], [PV_REGS, PV_REGS])
