@@ -18,7 +18,8 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
 warpgroup, once its p @ v of tile t is done, copies its half of tile `t + slots` into that slot
-(`hopper_fp8_query.tma_tile`); a partial last tile is the scorer's zero-filling `cp.async` copy. Otherwise the
+(`hopper_fp8_query.tma_tile`; where one box takes a tile, its block-table entry read an iteration before); a partial
+last tile is the scorer's zero-filling `cp.async` copy. Otherwise the
 scorer copies every tile by `cp.async`, `slots - 1` ahead.
 
 Shared memory: the query (36 KiB), three or four token slots (36 KiB each), two p buffers (8 KiB).

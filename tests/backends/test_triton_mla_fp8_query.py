@@ -112,8 +112,9 @@ def test_the_wide_forms_p_v_products_take_the_launchs_rows_bucket():
         const = hopper_constexprs(wide, kv_fp8=True, sparse=False, query_rows=rows)
         assert const["PV_ROWS"] == pv_rows, rows
         assert const["SCORES_T"] == (pv_rows == 16), rows   # the scores transposed at 16 rows only (measured)
+        assert const["ROW_AHEAD"]
     const = hopper_constexprs(narrow, kv_fp8=True, sparse=False, query_rows=16)
-    assert const["PV_ROWS"] == 64 and not const["SCORES_T"]  # not its switches
+    assert const["PV_ROWS"] == 64 and not const["SCORES_T"] and not const["ROW_AHEAD"]  # not its switches
 
 
 def _warp_stores(layout, element_bytes: int, vector: int) -> list[list[int]]:
