@@ -162,8 +162,9 @@ def plan_identity(plans: Sequence, *, prefixes: Sequence[str], seed: int,
     """What decides the builds of `plans`: every unit's (backend, problem, shape) of a backend that builds, and
     vLLM's max_seq_len for the engine steps."""
     builds = (*prefixes, *OUR_TRITON, VLLM_TRITON)
-    return (seed, engine_max_seq_len, tuple(sorted(repr((b, plan.work.problem, shape)) for plan in plans for shape in plan.todo
-                               for b in plan.backends if b.startswith(builds))))
+    units = (repr((b, plan.work.problem, shape)) for plan in plans for shape in plan.todo for b in plan.backends
+             if b.startswith(builds))
+    return seed, engine_max_seq_len, tuple(sorted(units))
 
 
 def _cpus() -> int:

@@ -122,7 +122,8 @@ def launch_builds(problem: Problem, params, *, kv_len: int, table_stride: int | 
     form = None
     if params.warp_specialized:
         form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
-                                              sparse=problem.sparse, tiles=tiles, ds_mla=problem.kv_cache_dtype == "fp8_ds_mla",
+                                              sparse=problem.sparse, tiles=tiles,
+                                              ds_mla=problem.kv_cache_dtype == "fp8_ds_mla",
                                               query_rows=rows).items()))
     # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.
     stage1 = ("stage1", problem.kv_cache_dtype, problem.query_dtype, q_len, problem.page_size, problem.sparse,
