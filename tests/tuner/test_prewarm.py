@@ -296,7 +296,7 @@ def _unit_inputs(problem: Problem, shape: Shape) -> DecodeInputs:
     lengths = ragged_lengths(shape, page_size=problem.page_size, min_len=problem.q_len)
     table, pages = scattered_block_table(lengths, page_size=problem.page_size)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    fp8 = problem.kv_cache_dtype == "fp8_e4m3"
+    fp8 = problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla")   # fp8_ds_mla: an e4m3 cache, packed at prepare
     topk = random_topk_indices(seq_lens, q_len=problem.q_len, topk=problem.topk,
                                generator=torch.Generator().manual_seed(0)) if problem.sparse else None
     q = torch.empty(shape.batch_size, problem.q_len, problem.num_heads, 576, dtype=torch.bfloat16)
@@ -305,15 +305,12 @@ def _unit_inputs(problem: Problem, shape: Shape) -> DecodeInputs:
                         sm_scale=0.1, kv_scale=0.02 if fp8 else None, topk_indices=topk)
 
 
-@pytest.mark.parametrize("max_batch", [pytest.param(4, id="small-batches"),
-                                       pytest.param(None, id="every-shape", marks=pytest.mark.slow)])
-def test_the_units_launch_nothing_the_prebuild_did_not_build(tmp_path, monkeypatch, max_batch):
-    """On a faked H100, every Triton key the default tune's units launch (each candidate tile, the launch our vLLM
-    backend makes, the Hopper kernel, the combine, the query rounding) is one a pre-build job launched: Triton's
-    binder gives the keys, the jobs run through `build_in_worker` itself."""
+@pytest.fixture
+def recorded_keys(monkeypatch):
+    """On a faked H100: our kernels' launches (stage 1 on the tl or the Hopper kernel, the combine, the query
+    rounding) record Triton's own key (its binder's specialization and options) into the returned list instead of
+    running."""
     from mla_tune.backends.triton_mla import adapter, decode, hopper, launcher, query_e4m3
-    from mla_tune.tuner.measure import ShapeTask, _steps
-    from mla_tune.tuner.prewarm import build_in_worker
 
     for module in (adapter, decode, launcher):
         monkeypatch.setattr(module, "cc_major", lambda device: 9)
@@ -340,22 +337,32 @@ def test_the_units_launch_nothing_the_prebuild_did_not_build(tmp_path, monkeypat
         return launch_hopper(*args, q=q.as_subclass(_CudaLooking), **kwargs)
 
     monkeypatch.setattr(launcher, "_launch_hopper", hopper_on_cpu)
-    plans = _default_plans(tmp_path, max_batch=max_batch)
+    return keys
+
+
+def _assert_units_launch_only_prebuilt_keys(plans, keys: list, *, engine_max_seq_len: int | None = None) -> None:
+    """Every Triton key the units of `plans` launch (each candidate tile and the launch our vLLM backend makes, as
+    `measure._steps` lists them) is one a pre-build job launched through `build_in_worker`, and no stage-1 build is
+    made by two jobs."""
+    from mla_tune.tuner.measure import ShapeTask, _steps
+    from mla_tune.tuner.prewarm import build_in_worker
+
     unit_keys = set()
     for plan in plans:
         problem = plan.work.problem
         for shape in plan.todo:
             task = ShapeTask(problem, shape, tuple(b for b in plan.backends if b in OUR_TRITON),
-                             engine_max_seq_len=plan_max_seq_len(plan, None))
+                             engine_max_seq_len=plan_max_seq_len(plan, engine_max_seq_len))
             inputs = _unit_inputs(problem, shape)
             steps = _steps(task, problem, inputs, {}, emit=lambda event: pytest.fail(f"{event}"))
-            assert any(step.engine for step in steps) == ("MLA_TUNE_TRITON" in plan.backends or problem.sparse)
+            assert any(step.engine for step in steps) == bool({"MLA_TUNE_TRITON", "MLA_TUNE_TRITON_SPARSE"}
+                                                             & set(plan.backends))
             for step in steps:
                 step.adapter.prepare(problem, inputs)
             unit_keys.update(keys)
             keys.clear()
     job_keys, stage1_jobs = set(), Counter()
-    for job in triton_jobs(plans, num_sms=H100_SMS, cc_major=9):
+    for job in triton_jobs(plans, num_sms=H100_SMS, cc_major=9, engine_max_seq_len=engine_max_seq_len):
         if job.kind == "vllm":
             continue
         events = []
@@ -365,8 +372,28 @@ def test_the_units_launch_nothing_the_prebuild_did_not_build(tmp_path, monkeypat
             stage1_jobs.update({key for key in keys if key[0] in ("_mla_split_kernel", "_mla_hopper_kernel")})
         job_keys.update(keys)
         keys.clear()
-    assert unit_keys <= job_keys, sorted(unit_keys - job_keys)[:3]
-    assert max(stage1_jobs.values()) == 1     # no stage-1 build made by two jobs
+    assert unit_keys and unit_keys <= job_keys, sorted(unit_keys - job_keys)[:3]
+    assert max(stage1_jobs.values()) == 1
+
+
+@pytest.mark.parametrize("max_batch", [pytest.param(4, id="small-batches"),
+                                       pytest.param(None, id="every-shape", marks=pytest.mark.slow)])
+def test_the_default_tunes_units_launch_nothing_the_prebuild_did_not_build(tmp_path, recorded_keys, max_batch):
+    _assert_units_launch_only_prebuilt_keys(_default_plans(tmp_path, max_batch=max_batch), recorded_keys)
+
+
+def test_units_with_several_query_tokens_and_a_configured_max_seq_len_launch_only_prebuilt_keys(recorded_keys):
+    # MTP query lengths (6 is above what one launch of our vLLM backend takes: its tokens become requests), odd head
+    # counts, a sparse problem of two query tokens, fp8_ds_mla rows, and vLLM's max_seq_len given by the operator
+    shapes = (Shape(1, 1000), Shape(3, 700), Shape(16, 2048))
+    plans = [plan for problem, backends in (
+        (Problem(num_heads=16, kv_cache_dtype="fp8_e4m3", q_len=2), ("MLA_TUNE_TRITON", "MLA_TUNE_TRITON_FP8Q")),
+        (Problem(num_heads=20, q_len=6), ("MLA_TUNE_TRITON",)),
+        (Problem(num_heads=3, kv_cache_dtype="fp8_e4m3"), ("MLA_TUNE_TRITON",)),
+        (Problem(num_heads=32, topk=256, q_len=2), ("MLA_TUNE_TRITON_SPARSE",)),
+        (Problem(num_heads=64, kv_cache_dtype="fp8_ds_mla", topk=512), ("MLA_TUNE_TRITON_SPARSE",)),
+    ) for plan in _plans(problem, backends, shapes)]
+    _assert_units_launch_only_prebuilt_keys(plans, recorded_keys, engine_max_seq_len=4096)
 
 
 class _CudaLooking(torch.Tensor):
