@@ -7,8 +7,8 @@ geometric mean at least 1.15. Where the issue sets its bandwidth goals, batch >=
 gives two fractions of each of our dense backends and of each competitor beside them: of the copy bandwidth
 (kernels.py's "bw"; the goal at 16-64 heads: 0.90 FP8, 0.95 bf16) and of the roofline with the matmul rate of the
 backend's own operands ("frac", e4m3 where it rounds the query; the goal at 128 heads). Files written before
-kernels.py had its "bw" column give "-" there. With --ours naming several of our dense backends, "ours" is the faster of them at each shape (those of them
-that ran it).
+kernels.py had its "bw" column give "-" there. With --ours naming several of our dense backends, "ours" is the
+faster of them at each shape (those of them that ran it).
 
 CPU only; reads the text files kernels.py writes.
 

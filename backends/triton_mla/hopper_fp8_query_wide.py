@@ -172,64 +172,6 @@ def _softmax_t_to_p(s, t, m_i, l_acc, score_scale, visible_len, interior_end, p_
     return m_new, l_acc
 
 
-@gluon.jit
-def _wide_scorer_t(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                   prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                   R: gl.constexpr):
-    """`_wide_scorer` for a launch of `R` (16 or 32) packed rows, on transposed scores (`SCORES_T`): m64nR MMAs,
-    where rows on M leave 48 or 32 of every 64 padding."""
-    BLOCK_N: gl.constexpr = prog.BLOCK_N
-    AHEAD: gl.constexpr = ring.STAGES - 1
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, R, 32])
-    rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    copy_row, copy_ok = _first_copies(ring, src, prog, lat_desc, rope_desc, TMA)
-    # the rounded query's factors as the 64-row copy gives them, then the first R in the transposed row layout
-    scale_64 = _store_query_e4m3(prog, q_lat, q_rope, _ROWS_64)
-    l_smem.store(scale_64)
-    _partition_barrier()
-    score_scale = l_smem.slice(0, R).load(rows_s) * prog.qk_scale
-    qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, R)
-    visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
-    interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)
-    m_i = gl.full([R], float("-inf"), gl.float32, rows_s)
-    zero_s = gl.zeros([BLOCK_N, R], gl.float32, s_layout)
-    l_acc = zero_s
-    if TMA and SCORES_AHEAD:
-        s_prev = zero_s
-        for t in range(prog.n_tiles):
-            _tma_landed(ring, src, t)
-            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, True)
-            if t > 0:
-                m_i, l_acc = _softmax_t_to_p(s_prev, t - 1, m_i, l_acc, score_scale, visible_len, interior_end,
-                                             p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
-                _partial_copy(ring, src, t - 1)
-            s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
-        if prog.n_tiles > 0:
-            m_i, l_acc = _softmax_t_to_p(s_prev, prog.n_tiles - 1, m_i, l_acc, score_scale, visible_len,
-                                         interior_end, p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
-    else:
-        for t in range(prog.n_tiles):
-            slot = t % ring.STAGES
-            if TMA:
-                _tma_landed(ring, src, t)
-            else:
-                _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
-                copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)
-                _copied(ring, slot, AHEAD)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, True),))
-            m_i, l_acc = _softmax_t_to_p(s, t, m_i, l_acc, score_scale, visible_len, interior_end, p_smem,
-                                         alpha_smem, p_full, p_empty, prog, s_layout)
-            if TMA:
-                _partial_copy(ring, src, t)
-    async_copy.wait_group(0)
-    l_i = gl.sum(l_acc, 0)
-    _partition_barrier()  # every thread has read the factors from l_smem before the sums overwrite them
-    l_smem.slice(0, R).store(l_i)
-    mbarrier.arrive(l_bar)
-    _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s, R)
-
-
 # The scorer's 64 rows, the layout their factors are read in before the transposed scorer takes its R of them
 _ROWS_64 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
@@ -256,39 +198,71 @@ def _first_copies(ring: Ring, src: KvSource, prog: Program, lat_desc, rope_desc,
 
 
 @gluon.jit
+def _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
+             prog: Program, s_layout: gl.constexpr, SCORES_T: gl.constexpr):
+    """`_softmax_t_to_p` on transposed scores, `_softmax_to_p` otherwise."""
+    if SCORES_T:
+        m_i, l_i = _softmax_t_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
+                                   p_full, p_empty, prog, s_layout)
+    else:
+        m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
+                                 p_empty, prog, s_layout)
+    return m_i, l_i
+
+
+@gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
-                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr):
+                 prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
+                 SCORES_T: gl.constexpr, R: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
     buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
     first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
     `cp.async`, `STAGES - 1` ahead. `SCORES_AHEAD` (with `TMA`): tile t's score MMAs run while tile t - 1's
-    softmax does."""
+    softmax does. `SCORES_T`: transposed scores over the launch's `R` (16 or 32) packed rows, m64nR MMAs where rows
+    on M leave 48 or 32 of every 64 padding."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     AHEAD: gl.constexpr = ring.STAGES - 1  # tiles whose copies are in flight while one is scored
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    if SCORES_T:
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, R, 32])
+        rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    else:
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 32])
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     copy_row, copy_ok = _first_copies(ring, src, prog, lat_desc, rope_desc, TMA)
-    score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
-    qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE)
+    if SCORES_T:
+        # the rounded query's factors as the 64-row copy gives them, then the first R in the transposed row layout
+        l_smem.store(_store_query_e4m3(prog, q_lat, q_rope, _ROWS_64))
+        _partition_barrier()
+        score_scale = l_smem.slice(0, R).load(rows_s) * prog.qk_scale
+        N_ROWS: gl.constexpr = R
+    else:
+        score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
+        N_ROWS: gl.constexpr = ROWS
+    qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, N_ROWS)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
     interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here every row sees whole
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_s)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    l_i = gl.sum(gl.reshape(zero_s, [ROWS, 8, BLOCK_N // 8]), 1)  # each thread's part (`_softmax_to_p`)
+    m_i = gl.full([N_ROWS], float("-inf"), gl.float32, rows_s)
+    if SCORES_T:
+        zero_s = gl.zeros([BLOCK_N, R], gl.float32, s_layout)
+        l_i = zero_s  # per token (`_softmax_t_to_p`)
+    else:
+        zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        l_i = gl.sum(gl.reshape(zero_s, [ROWS, 8, BLOCK_N // 8]), 1)  # each thread's part (`_softmax_to_p`)
     if TMA and SCORES_AHEAD:
         s_prev = zero_s
         for t in range(prog.n_tiles):
             _tma_landed(ring, src, t)
-            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, False)
+            s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, SCORES_T)
             if t > 0:  # the previous tile's softmax while this tile's score MMAs run
-                m_i, l_i = _softmax_to_p(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                         alpha_smem, p_full, p_empty, prog, s_layout)
+                m_i, l_i = _softmax(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
+                                    alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T)
                 _partial_copy(ring, src, t - 1)
             s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
         if prog.n_tiles > 0:
-            m_i, l_i = _softmax_to_p(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end,
-                                     p_smem, alpha_smem, p_full, p_empty, prog, s_layout)
+            m_i, l_i = _softmax(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
+                                alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T)
     else:
         for t in range(prog.n_tiles):
             slot = t % ring.STAGES
@@ -298,16 +272,22 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                 _issue_copy(ring, t + AHEAD, copy_row, copy_ok)
                 copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
                 _copied(ring, slot, AHEAD)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, False),))
-            m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
-                                     p_full, p_empty, prog, s_layout)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, SCORES_T),))
+            m_i, l_i = _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
+                                p_empty, prog, s_layout, SCORES_T)
             if TMA:
                 _partial_copy(ring, src, t)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
-    l_i = gl.convert_layout(gl.sum(l_i, 1), rows_s)
-    l_smem.store(l_i)  # with p's 2^8, as the p @ v accumulators: their quotient is the output
+    # with p's 2^8, as the p @ v accumulators: their quotient is the output
+    if SCORES_T:
+        l_i = gl.sum(l_i, 0)
+        _partition_barrier()  # every thread has read the factors from l_smem before the sums overwrite them
+        l_smem.slice(0, R).store(l_i)
+    else:
+        l_i = gl.convert_layout(gl.sum(l_i, 1), rows_s)
+        l_smem.store(l_i)
     mbarrier.arrive(l_bar)
-    _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s)
+    _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s, N_ROWS)
 
 
 @gluon.jit
@@ -437,21 +417,11 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         mbarrier.init(p_empty.index(i), count=2)
     mbarrier.init(l_bar, count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
-    if SCORES_T:
-        gl.warp_specialize([
-            (_wide_scorer_t, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                              lat_desc, rope_desc, TMA, SCORES_AHEAD, PV_ROWS)),
-            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, ROW_AHEAD)),
-            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, ROW_AHEAD))],
-            [4, 4], [PV_REGS, PV_REGS])
-    else:
-        gl.warp_specialize([
-            (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog,
-                            lat_desc, rope_desc, TMA, SCORES_AHEAD)),
-            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, ROW_AHEAD)),
-            (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc,
-                        TMA, PV_ROWS, ROW_AHEAD))],
-            [4, 4], [PV_REGS, PV_REGS])
+    gl.warp_specialize([
+        (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
+                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS)),
+        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
+                    PV_ROWS, ROW_AHEAD)),
+        (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
+                    PV_ROWS, ROW_AHEAD))],
+        [4, 4], [PV_REGS, PV_REGS])

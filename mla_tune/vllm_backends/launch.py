@@ -68,8 +68,7 @@ class KernelLaunch(NamedTuple):
     """What `dense_forward` or `sparse_forward` hands our kernel for a batch of a problem (`kernel_launch`)."""
 
     problem: object          # `backends.problem.Problem` as the kernel sees it (query tokens folded into requests)
-    batch: int               # requests as the kernel sees them
-    params: object           # `LaunchParams`
+    params: object           # `LaunchParams` (its splits for the requests the kernel sees)
     table_stride: int        # the block table's row stride: the pages of max_seq_len, 0 for the sparse identity row
     kv_scale_is_ptr: bool    # vLLM's k_scale is passed as a tensor (an e4m3 cache)
 
@@ -92,7 +91,7 @@ def kernel_launch(problem, batch: int, *, max_seq_len: int | None, num_sms: int,
     params = params_for(None, num_heads=problem.num_heads, q_len=query_len, batch=requests, max_items=max_items,
                         num_sms=num_sms, sparse=problem.sparse, kv_fp8=kv_fp8, cc_major=cc_major,
                         ds_mla=problem.kv_cache_dtype == "fp8_ds_mla")
-    return KernelLaunch(replace(problem, q_len=query_len), requests, params, stride,
+    return KernelLaunch(replace(problem, q_len=query_len), params, stride,
                         kv_scale_is_ptr=problem.kv_cache_dtype == "fp8_e4m3")
 
 
