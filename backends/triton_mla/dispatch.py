@@ -251,10 +251,7 @@ FP8Q_WIDE_SCORES_T_ROWS = frozenset({16})
 # issued: 0.992 uniform (0.972-1.000, 22 shapes of 16-128 heads), 0.998 ragged (0.989-1.007); the copy issued before
 # the products instead of after them was 1.02-1.03x slower (36).
 FP8Q_WIDE_ROW_AHEAD = True
-# The wide FP8-query form's reference max moves only where a tile's max passes it by more than 0.8 (log2), and its
-# p @ v warpgroups skip the rescale of their accumulators on tiles where no row's moved (to be measured).
-FP8Q_WIDE_LAZY_RESCALE = True
-# Its p @ v warpgroups wait for a tile's products only once the next tile's p is in (to be measured).
+# The wide FP8-query form's p @ v warpgroups wait for a tile's products only once the next tile's p is in (to be measured).
 FP8Q_WIDE_PV_WAIT_LATE = False
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
@@ -386,4 +383,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
-        LAZY_RESCALE=wide and FP8Q_WIDE_LAZY_RESCALE, PV_WAIT_LATE=wide and FP8Q_WIDE_PV_WAIT_LATE)
+        PV_WAIT_LATE=wide and FP8Q_WIDE_PV_WAIT_LATE)

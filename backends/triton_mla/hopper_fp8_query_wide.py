@@ -40,9 +40,6 @@ from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value
-# With `LAZY`, a row's reference max moves only where a tile's max passes it by more than this (log2): p up to
-# 2^0.8, so 2^8 p stays below e4m3's largest value, 448
-LAZY_LOG2_MARGIN = gl.constexpr(0.8)
 # Each p @ v warpgroup multiplies o^T = v^T p^T with v^T as wgmma's register operand, read from the slot in
 # `_V_T_LOAD_LAYOUT` (thread (warp w, lane 4g + q): tokens 4q + j + 16k, j and k < 4, of columns 64w + 8g to
 # 64w + 8g + 7, 8-byte loads) and transposed in registers (byte permutes), no v^T stores. Accumulator row
@@ -121,19 +118,8 @@ def _scores(q_lat, q_rope, ring: Ring, slot, zero_s, SCORES_T: gl.constexpr):
 
 
 @gluon.jit
-def _moved_max(m_i, tile_max, LAZY: gl.constexpr):
-    """Each row's reference max after a tile: the running max, or with `LAZY` the tile's max only where it passes the
-    reference by more than `LAZY_LOG2_MARGIN` (elsewhere the factor is exactly 1, which the p @ v warpgroups skip)."""
-    if LAZY:
-        m_new = gl.where(tile_max > m_i + LAZY_LOG2_MARGIN, tile_max, m_i)
-    else:
-        m_new = gl.maximum(m_i, tile_max)
-    return m_new
-
-
-@gluon.jit
 def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
-                  prog: Program, s_layout: gl.constexpr, LAZY: gl.constexpr):
+                  prog: Program, s_layout: gl.constexpr):
     """Tile `t`'s online softmax on its raw scores `s`: p (`2^8 p` in e4m3) and the rescale factors into buffer
     `t % P_BUFFERS` for the p @ v warpgroups; returns the running max and each thread's part of the row sums."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -142,7 +128,7 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
                                   gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
         s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
-    m_new = _moved_max(m_i, gl.max(s, 1), LAZY)
+    m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
@@ -161,7 +147,7 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
 
 @gluon.jit
 def _softmax_t_to_p(s, t, m_i, l_acc, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
-                    prog: Program, s_layout: gl.constexpr, LAZY: gl.constexpr):
+                    prog: Program, s_layout: gl.constexpr):
     """`_softmax_to_p` on transposed scores (`s^T`, `[tokens, rows]`): the max over the tokens (across the
     warpgroup's warps), p^T stored as p into the buffer's first rows; the row sums kept per token (`l_acc`) and
     reduced once after the loop."""
@@ -172,7 +158,7 @@ def _softmax_t_to_p(s, t, m_i, l_acc, score_scale, visible_len, interior_end, p_
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
                                   gl.SliceLayout(1, s_layout), BLOCK_N, prog.SPARSE)
         s = gl.where(ok[:, None] & (pos[:, None] < visible_len[None, :]), s, float("-inf"))
-    m_new = _moved_max(m_i, gl.max(s, 0), LAZY)
+    m_new = gl.maximum(m_i, gl.max(s, 0))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[None, :]).to(p_smem.dtype)
@@ -213,21 +199,21 @@ def _first_copies(ring: Ring, src: KvSource, prog: Program, lat_desc, rope_desc,
 
 @gluon.jit
 def _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
-             prog: Program, s_layout: gl.constexpr, SCORES_T: gl.constexpr, LAZY: gl.constexpr):
+             prog: Program, s_layout: gl.constexpr, SCORES_T: gl.constexpr):
     """`_softmax_t_to_p` on transposed scores, `_softmax_to_p` otherwise."""
     if SCORES_T:
         m_i, l_i = _softmax_t_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
-                                   p_full, p_empty, prog, s_layout, LAZY)
+                                   p_full, p_empty, prog, s_layout)
     else:
         m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
-                                 p_empty, prog, s_layout, LAZY)
+                                 p_empty, prog, s_layout)
     return m_i, l_i
 
 
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
                  prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                 SCORES_T: gl.constexpr, R: gl.constexpr, LAZY: gl.constexpr):
+                 SCORES_T: gl.constexpr, R: gl.constexpr):
     """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
     buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
     first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
@@ -271,12 +257,12 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, SCORES_T)
             if t > 0:  # the previous tile's softmax while this tile's score MMAs run
                 m_i, l_i = _softmax(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                    alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T, LAZY)
+                                    alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T)
                 _partial_copy(ring, src, t - 1)
             s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
         if prog.n_tiles > 0:
             m_i, l_i = _softmax(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T, LAZY)
+                                alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T)
     else:
         for t in range(prog.n_tiles):
             slot = t % ring.STAGES
@@ -288,7 +274,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                 _copied(ring, slot, AHEAD)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, SCORES_T),))
             m_i, l_i = _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
-                                p_empty, prog, s_layout, SCORES_T, LAZY)
+                                p_empty, prog, s_layout, SCORES_T)
             if TMA:
                 _partial_copy(ring, src, t)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
@@ -334,7 +320,7 @@ def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constex
 @gluon.jit
 def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
              src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr,
-             ROW_AHEAD: gl.constexpr = False, LAZY: gl.constexpr = False, WAIT_LATE: gl.constexpr = False):
+             ROW_AHEAD: gl.constexpr = False, WAIT_LATE: gl.constexpr = False):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
     released, then `o^T += v^T p^T` over the first `PV_ROWS` rows (the rest are past the launch's packed rows); at
     the end those output columns. With `ROW_AHEAD` and one TMA box a tile, the block-table entry of each tile it
@@ -353,12 +339,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
         buf = t % P_BUFFERS
         if not WAIT_LATE or t == 0:  # (with WAIT_LATE the previous iteration waited for this p)
             mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
-        alpha = alpha_smem.index(buf).slice(0, PV_ROWS).load(gl.SliceLayout(0, o_layout))
-        if LAZY:  # the factors are in every warp: their minimum takes no exchange across warps
-            if gl.min(alpha, 0) < 1.0:
-                acc = acc * alpha[None, :]
-        else:
-            acc = acc * alpha[None, :]
+        acc = acc * alpha_smem.index(buf).slice(0, PV_ROWS).load(gl.SliceLayout(0, o_layout))[None, :]
         slot, _phase = _full_slot(ring, t, False)
         v_t = _v_t_operand(ring.k_lat.index(slot), HALF * 256, o_layout)
         _partition_barrier()  # every thread's reads are done before the slot is released
@@ -409,7 +390,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
                    SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-                   ROW_AHEAD: gl.constexpr = False, LAZY: gl.constexpr = False, WAIT_LATE: gl.constexpr = False):
+                   ROW_AHEAD: gl.constexpr = False, WAIT_LATE: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
     scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
     they multiply, 16 or 32 where the launch packs no more) as workers."""
@@ -445,9 +426,9 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
-                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS, LAZY)),
+                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS, ROW_AHEAD, LAZY, WAIT_LATE)),
+                    PV_ROWS, ROW_AHEAD, WAIT_LATE)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS, ROW_AHEAD, LAZY, WAIT_LATE))],
+                    PV_ROWS, ROW_AHEAD, WAIT_LATE))],
         [4, 4], [PV_REGS, PV_REGS])
