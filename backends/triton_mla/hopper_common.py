@@ -187,7 +187,12 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
 def _rows(pid_m, num_heads, layout: gl.constexpr, Q_LEN: gl.constexpr, SPARSE: gl.constexpr,
           N_ROWS: gl.constexpr = ROWS):
     """(query token, head, valid) of the program's `N_ROWS` rows, in `layout`."""
-    rows = gl.arange(0, N_ROWS, layout=layout)
+    return _rows_at(gl.arange(0, N_ROWS, layout=layout), pid_m, num_heads, Q_LEN, SPARSE, N_ROWS)
+
+
+@gluon.jit
+def _rows_at(rows, pid_m, num_heads, Q_LEN: gl.constexpr, SPARSE: gl.constexpr, N_ROWS: gl.constexpr):
+    """`_rows` of the program's rows `rows` (of `N_ROWS` a program)."""
     if SPARSE:
         head_blocks = gl.cdiv(num_heads, N_ROWS)
         h = (pid_m % head_blocks) * N_ROWS + rows
@@ -233,44 +238,49 @@ _QUERY_ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
 
 @gluon.jit
-def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
+def _store_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr, SPREAD: gl.constexpr = False):
     """The query's rows, each times `448 / max |q_row|`, rounded to e4m3 into `q_lat` / `q_rope` by the 4 MMA warps
     (fenced for wgmma); returns `max |q_row| / 448` per row in `rows_layout` (1 for a row of zeros or past the
     heads), the factor its scores take back. Where `prog.q_amax_ptr` is given the rows were rounded before the
-    launch (`query_e4m3.round_query`): they are copied as they are and the factors read."""
+    launch (`query_e4m3.round_query`): they are copied as they are and the factors read. `SPREAD` (with the rows
+    rounded before): 32 rows, row i in shared-memory row `16 (i // 8) + i % 8`, the rows between them zeros."""
+    gl.static_assert(not SPREAD or prog.q_amax_ptr is not None, "SPREAD: the query rounded before the launch")
     if prog.q_amax_ptr is not None:
-        return _copy_query_e4m3(prog, q_lat, q_rope, rows_layout)
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    # 128 columns at a time, read twice (the second read from cache), so that a thread holds 64 values, not 288
-    rope = _load_query(prog, 512, layout, 64, True).to(gl.float32)
-    amax = gl.max(gl.abs(rope), 1)
-    for c in gl.static_range(4):
-        amax = gl.maximum(amax, gl.max(gl.abs(_load_query(prog, c * 128, layout, 128, True).to(gl.float32)), 1))
-    amax = gl.where(amax > 0.0, amax, E4M3_MAX)
-    scale = E4M3_MAX / amax
-    q_rope.store((rope * scale[:, None]).to(q_rope.dtype))
-    for c in gl.static_range(4):
-        lat = _load_query(prog, c * 128, layout, 128, True).to(gl.float32)
-        q_lat.slice(c * 128, 128, dim=1).store((lat * scale[:, None]).to(q_lat.dtype))
-    fence_async_shared()
-    return gl.convert_layout(amax / E4M3_MAX, rows_layout)
+        factors = _copy_query_e4m3(prog, q_lat, q_rope, rows_layout, SPREAD)
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # 128 columns at a time, read twice (the second read from cache), so that a thread holds 64 values, not 288
+        rope = _load_query(prog, 512, layout, 64, True).to(gl.float32)
+        amax = gl.max(gl.abs(rope), 1)
+        for c in gl.static_range(4):
+            amax = gl.maximum(amax, gl.max(gl.abs(_load_query(prog, c * 128, layout, 128, True).to(gl.float32)), 1))
+        amax = gl.where(amax > 0.0, amax, E4M3_MAX)
+        scale = E4M3_MAX / amax
+        q_rope.store((rope * scale[:, None]).to(q_rope.dtype))
+        for c in gl.static_range(4):
+            lat = _load_query(prog, c * 128, layout, 128, True).to(gl.float32)
+            q_lat.slice(c * 128, 128, dim=1).store((lat * scale[:, None]).to(q_lat.dtype))
+        fence_async_shared()
+        factors = gl.convert_layout(amax / E4M3_MAX, rows_layout)
+    return factors
 
 
 @gluon.jit
-def _copy_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
+def _copy_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr, SPREAD: gl.constexpr = False):
     """`_store_query_e4m3` from the rounded query: its rows (zeros past the heads) copied by `cp.async`, landed for
     every thread of the partition and fenced for wgmma; their factors read from `prog.q_amax_ptr`. Waits for the
     rounding kernel first, as stage 1 may be launched as its programmatic dependent."""
     gdc_wait()
     N_ROWS: gl.constexpr = q_lat.shape[0]
-    lat_row, lat_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_LAT_COPY), N_ROWS)
+    lat_row, lat_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_LAT_COPY), N_ROWS, SPREAD)
     lat_cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _QUERY_LAT_COPY))
     _async_load(q_lat, lat_row[:, None] + lat_cols[None, :], mask=lat_ok[:, None])
-    rope_row, rope_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_ROPE_COPY), N_ROWS)
+    rope_row, rope_ok = _query_rows(prog, gl.SliceLayout(1, _QUERY_ROPE_COPY), N_ROWS, SPREAD)
     rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, _QUERY_ROPE_COPY))
     _async_load(q_rope, rope_row[:, None] + 512 + rope_cols[None, :], mask=rope_ok[:, None])
     async_copy.commit_group()
-    qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_layout, prog.Q_LEN, prog.SPARSE, N_ROWS)
+    FACTORS: gl.constexpr = N_ROWS // 2 if SPREAD else N_ROWS
+    qi, h, ok = _rows(prog.pid_m, prog.num_heads, rows_layout, prog.Q_LEN, prog.SPARSE, FACTORS)
     amax = gl.load(prog.q_amax_ptr + (prog.b * prog.Q_LEN + qi) * prog.num_heads + h, mask=ok, other=1.0)
     async_copy.wait_group(0)
     _partition_barrier()  # every thread's copies are in before this warpgroup's wgmma reads them
@@ -279,9 +289,15 @@ def _copy_query_e4m3(prog: Program, q_lat, q_rope, rows_layout: gl.constexpr):
 
 
 @gluon.jit
-def _query_rows(prog: Program, layout: gl.constexpr, N_ROWS: gl.constexpr):
-    """Pointers to the program's `N_ROWS` query rows and whether each is a row of the problem, in `layout`."""
-    qi, h, ok = _rows(prog.pid_m, prog.num_heads, layout, prog.Q_LEN, prog.SPARSE, N_ROWS)
+def _query_rows(prog: Program, layout: gl.constexpr, N_ROWS: gl.constexpr, SPREAD: gl.constexpr = False):
+    """Pointers to the program's `N_ROWS` query rows and whether each is a row of the problem, in `layout`; with
+    `SPREAD` the query rows `N_ROWS / 2` of them hold (`_store_query_e4m3`), the others none."""
+    if SPREAD:
+        r = gl.arange(0, N_ROWS, layout=layout)
+        qi, h, ok = _rows_at((r // 16) * 8 + r % 8, prog.pid_m, prog.num_heads, prog.Q_LEN, prog.SPARSE, N_ROWS // 2)
+        ok = ok & ((r // 8) % 2 == 0)
+    else:
+        qi, h, ok = _rows(prog.pid_m, prog.num_heads, layout, prog.Q_LEN, prog.SPARSE, N_ROWS)
     return prog.q_ptr + prog.b.to(gl.int64) * prog.stride_qb + qi * prog.stride_qt + h * prog.stride_qh, ok
 
 

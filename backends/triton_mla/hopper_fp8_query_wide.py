@@ -51,6 +51,25 @@ _V_T_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
 
 
+# Where a launch packs 32 rows (`HALF_ROWS`), they are the first 8 of each warp's 16 score rows (on M; the other 8
+# are zeros), which the m64n64 accumulator holds as every other pair of registers: their scores as `[32, 64]`, 16 a
+# thread, all the softmax computes
+_HALF_S_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32]],
+    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, 64]))
+
+
+@gluon.jit
+def _softmax_rows(s, HALF_ROWS: gl.constexpr):
+    """The scores the softmax takes: all of `s`, or with `HALF_ROWS` the query's 32 rows of its 64 (rows
+    `16 (i // 8) + i % 8`) in `_HALF_S_LAYOUT`."""
+    if HALF_ROWS:
+        lo, _hi = gl.split(gl.reshape(s, [4, 2, 8, s.shape[1]]).permute((0, 2, 3, 1)))
+        s = gl.convert_layout(gl.reshape(lo, [32, s.shape[1]]), _HALF_S_LAYOUT)
+    return s
+
+
 @gluon.constexpr_function
 def _o_t_store_layout(rows):
     """That accumulator of `rows` rows as `[rows, 256 columns]`, a thread's 8 adjacent columns first (bf16: 16-byte
@@ -138,8 +157,8 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
     l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + gl.sum(p_blocks, 1)
     buf = t % P_BUFFERS
     mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
-    p_smem.index(buf).store(p)
-    alpha_smem.index(buf).store(alpha)
+    p_smem.index(buf).slice(0, p.shape[0]).store(p)
+    alpha_smem.index(buf).slice(0, p.shape[0]).store(alpha)
     fence_async_shared()
     mbarrier.arrive(p_full.index(buf))
     return m_new, l_i
@@ -213,23 +232,26 @@ def _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alp
 @gluon.jit
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
                  prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
-                 SCORES_T: gl.constexpr, R: gl.constexpr):
+                 SCORES_T: gl.constexpr, R: gl.constexpr, HALF_ROWS: gl.constexpr = False):
     """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
     buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
     first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
     `cp.async`, `STAGES - 1` ahead. `SCORES_AHEAD` (with `TMA`): tile t's score MMAs run while tile t - 1's
     softmax does. `SCORES_T`: transposed scores over the launch's `R` (16 or 32) packed rows, m64nR MMAs where rows
-    on M leave 48 or 32 of every 64 padding."""
+    on M leave 48 or 32 of every 64 padding. `HALF_ROWS`: the rows on M, the `R` = 32 packed rows in every warp's
+    first 8 of 16, the softmax over those alone."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     AHEAD: gl.constexpr = ring.STAGES - 1  # tiles whose copies are in flight while one is scored
     if SCORES_T:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, R, 32])
+        sm_layout: gl.constexpr = s_layout
         rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     else:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
-        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        sm_layout: gl.constexpr = _HALF_S_LAYOUT if HALF_ROWS else s_layout  # the softmax's scores
+        rows_s: gl.constexpr = gl.SliceLayout(1, sm_layout)
     copy_row, copy_ok = _first_copies(ring, src, prog, lat_desc, rope_desc, TMA)
     if SCORES_T:
         # the rounded query's factors as the 64-row copy gives them, then the first R in the transposed row layout
@@ -238,8 +260,8 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         score_scale = l_smem.slice(0, R).load(rows_s) * prog.qk_scale
         N_ROWS: gl.constexpr = R
     else:
-        score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s) * prog.qk_scale
-        N_ROWS: gl.constexpr = ROWS
+        score_scale = _store_query_e4m3(prog, q_lat, q_rope, rows_s, HALF_ROWS) * prog.qk_scale
+        N_ROWS: gl.constexpr = R if HALF_ROWS else ROWS
     qi, _h, _ok = _rows(prog.pid_m, prog.num_heads, rows_s, prog.Q_LEN, prog.SPARSE, N_ROWS)
     visible_len = prog.seq_len - prog.Q_LEN + 1 + qi
     interior_end = gl.minimum(prog.end, prog.seq_len - prog.Q_LEN + 1)  # tiles ending here every row sees whole
@@ -249,20 +271,20 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         l_i = zero_s  # per token (`_softmax_t_to_p`)
     else:
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        l_i = gl.sum(gl.reshape(zero_s, [ROWS, 8, BLOCK_N // 8]), 1)  # each thread's part (`_softmax_to_p`)
+        l_i = gl.sum(gl.reshape(_softmax_rows(zero_s, HALF_ROWS), [N_ROWS, 8, BLOCK_N // 8]), 1)  # a thread's part
     if TMA and SCORES_AHEAD:
-        s_prev = zero_s
+        s_prev = _softmax_rows(zero_s, HALF_ROWS)
         for t in range(prog.n_tiles):
             _tma_landed(ring, src, t)
             s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, SCORES_T)
             if t > 0:  # the previous tile's softmax while this tile's score MMAs run
                 m_i, l_i = _softmax(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                    alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T)
+                                    alpha_smem, p_full, p_empty, prog, sm_layout, SCORES_T)
                 _partial_copy(ring, src, t - 1)
-            s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_new,))
+            s_prev = _softmax_rows(warpgroup_mma_wait(num_outstanding=0, deps=(s_new,)), HALF_ROWS)
         if prog.n_tiles > 0:
             m_i, l_i = _softmax(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                alpha_smem, p_full, p_empty, prog, s_layout, SCORES_T)
+                                alpha_smem, p_full, p_empty, prog, sm_layout, SCORES_T)
     else:
         for t in range(prog.n_tiles):
             slot = t % ring.STAGES
@@ -273,8 +295,9 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
                 copy_row, copy_ok = _next_rows(src, t + AHEAD + 1)  # the block table read a tile before its copy
                 _copied(ring, slot, AHEAD)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, SCORES_T),))
+            s = _softmax_rows(s, HALF_ROWS)
             m_i, l_i = _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
-                                p_empty, prog, s_layout, SCORES_T)
+                                p_empty, prog, sm_layout, SCORES_T)
             if TMA:
                 _partial_copy(ring, src, t)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
@@ -285,7 +308,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
         l_smem.slice(0, R).store(l_i)
     else:
         l_i = gl.convert_layout(gl.sum(l_i, 1), rows_s)
-        l_smem.store(l_i)
+        l_smem.slice(0, N_ROWS).store(l_i)
     mbarrier.arrive(l_bar)
     _store_lse(m_i, l_i * (1.0 / 256.0), prog, rows_s, N_ROWS)
 
@@ -390,12 +413,13 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
                    SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-                   ROW_AHEAD: gl.constexpr = False, WAIT_LATE: gl.constexpr = False):
+                   ROW_AHEAD: gl.constexpr = False, WAIT_LATE: gl.constexpr = False, HALF_ROWS: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
     scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
     they multiply, 16 or 32 where the launch packs no more) as workers."""
     gl.static_assert(PV_ROWS == 16 or PV_ROWS == 32 or PV_ROWS == ROWS, "PV_ROWS: 16, 32 or 64")
     gl.static_assert(not SCORES_T or PV_ROWS < ROWS, "SCORES_T: 16 or 32 rows")
+    gl.static_assert(not HALF_ROWS or (PV_ROWS == 32 and not SCORES_T), "HALF_ROWS: 32 rows on M")
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     STAGES: gl.constexpr = prog.STAGES
     dtype: gl.constexpr = src.kv_ptr.dtype.element_ty
@@ -426,7 +450,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
-                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS)),
+                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS, HALF_ROWS)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
                     PV_ROWS, ROW_AHEAD, WAIT_LATE)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
