@@ -343,7 +343,7 @@ def _partial_rows(x, l_smem, prog: Program, ROW0: gl.constexpr, COL0: gl.constex
 @gluon.jit
 def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog: Program, HALF: gl.constexpr,
              src: KvSource, lat_desc, rope_desc, TMA: gl.constexpr, PV_ROWS: gl.constexpr,
-             ROW_AHEAD: gl.constexpr = False, WAIT_LATE: gl.constexpr = False):
+             ROW_AHEAD: gl.constexpr = False):
     """A p @ v warpgroup: per tile, latent columns `256 HALF .. 256 HALF + 255` read into registers, the token slot
     released, then `o^T += v^T p^T` over the first `PV_ROWS` rows (the rest are past the launch's packed rows); at
     the end those output columns. With `ROW_AHEAD` and one TMA box a tile, the block-table entry of each tile it
@@ -360,17 +360,15 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
         if ROWS_READ_AHEAD:  # the next iteration's copy: its block-table entry loads while this one runs
             row_after = tile_row(src, t + 1 + ring.STAGES)
         buf = t % P_BUFFERS
-        if not WAIT_LATE or t == 0:  # (with WAIT_LATE the previous iteration waited for this p)
-            mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
+        mbarrier.wait(p_full.index(buf), (t // P_BUFFERS) & 1)  # p (the scores have read the slot), its rescale
         acc = acc * alpha_smem.index(buf).slice(0, PV_ROWS).load(gl.SliceLayout(0, o_layout))[None, :]
         slot, _phase = _full_slot(ring, t, False)
         v_t = _v_t_operand(ring.k_lat.index(slot), HALF * 256, o_layout)
         _partition_barrier()  # every thread's reads are done before the slot is released
         mbarrier.arrive(ring.empty_bars.index(slot))
         acc = warpgroup_mma(v_t, p_smem.index(buf).slice(0, PV_ROWS).permute((1, 0)), acc, is_async=True)
-        if not WAIT_LATE:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_empty.index(buf))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_empty.index(buf))
         if TMA:  # this half of tile t + STAGES into the slot, which the scores and these reads are done with
             if tma_reads(src, t + ring.STAGES):
                 if ROWS_READ_AHEAD:
@@ -379,11 +377,6 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
                 else:
                     tma_tile(ring, src, t + ring.STAGES, ring.full_bars.index(slot), lat_desc, rope_desc, 2 * HALF,
                              2, HALF == 0)
-        if WAIT_LATE:  # the next tile's p awaited while these products run, then their end
-            if t + 1 < prog.n_tiles:
-                mbarrier.wait(p_full.index((t + 1) % P_BUFFERS), ((t + 1) // P_BUFFERS) & 1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_empty.index(buf))
         if ROWS_READ_AHEAD:
             row_next = row_after
     mbarrier.wait(l_bar, 0)
@@ -413,7 +406,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 @gluon.jit
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
                    SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-                   ROW_AHEAD: gl.constexpr = False, WAIT_LATE: gl.constexpr = False, HALF_ROWS: gl.constexpr = False):
+                   ROW_AHEAD: gl.constexpr = False, HALF_ROWS: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
     scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
     they multiply, 16 or 32 where the launch packs no more) as workers."""
@@ -452,7 +445,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
                         rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS, HALF_ROWS)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS, ROW_AHEAD, WAIT_LATE)),
+                    PV_ROWS, ROW_AHEAD)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,
-                    PV_ROWS, ROW_AHEAD, WAIT_LATE))],
+                    PV_ROWS, ROW_AHEAD))],
         [4, 4], [PV_REGS, PV_REGS])

@@ -112,9 +112,11 @@ def test_the_wide_forms_p_v_products_take_the_launchs_rows_bucket():
         const = hopper_constexprs(wide, kv_fp8=True, sparse=False, query_rows=rows)
         assert const["PV_ROWS"] == pv_rows, rows
         assert const["SCORES_T"] == (pv_rows == 16), rows   # the scores transposed at 16 rows only (measured)
+        assert const["HALF_ROWS"] == (pv_rows == 32), rows  # the softmax over the 32 rows alone (measured)
         assert const["ROW_AHEAD"]
     const = hopper_constexprs(narrow, kv_fp8=True, sparse=False, query_rows=16)
     assert const["PV_ROWS"] == 64 and not const["SCORES_T"] and not const["ROW_AHEAD"]  # not its switches
+    assert not const["HALF_ROWS"]
 
 
 def _warp_stores(layout, element_bytes: int, vector: int) -> list[list[int]]:
@@ -397,6 +399,24 @@ def test_the_wide_fp8_query_form_scores_16_rows_transposed(slots):
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx)
     register_a = re.findall(r"wgmma\.mma_async[^\n]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)
     assert set(mmas) == {("m64n16k32", "e4m3", "e4m3")} and len(mmas) == 18 + 2 * 8 and len(register_a) == 2 * 8
+    assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) == 0, report
+
+
+@pytest.mark.slow
+def test_the_wide_fp8_query_forms_softmax_takes_32_packed_rows_alone():
+    from offline_compile import hopper_compile
+
+    from mla_tune.backends.triton_mla.config import FP8_QUERY_WIDE_PV_REGS
+
+    def compiled(half_rows):
+        return hopper_compile(kv="fp8", rows=64, FP8_QUERY=True, TMA_KV=True, MMA_REGS=FP8_QUERY_WIDE_PV_REGS,
+                              PV_ROWS=32, HALF_ROWS=half_rows)
+
+    (half, _, report), (every, _, _) = compiled(True), compiled(False)
+    # the scores still m64n64k32 with the rows on M; the softmax's exp2 over 32 rows (each thread's first row of the
+    # two the accumulator gives it), not 64, in the loop and after it: half the ex2
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32", half))
+    assert mmas == {"m64n64k32", "m64n32k32"} and half.count("ex2.approx") * 2 == every.count("ex2.approx")
     assert sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report)) == 0, report
 
 
