@@ -256,6 +256,8 @@ FP8Q_WIDE_ROW_AHEAD = True
 # (fp8-query-wide-h200.txt 39), 20 and 32 heads, batch 16-128, kv 4k-16k: 0.926 uniform (0.908-0.942), 0.939 ragged
 # (0.927-0.947).
 FP8Q_WIDE_HALF_ROWS = frozenset({32})
+# The wide form's scorer sums each tile's rounded p within a thread in fp16, not fp32 (to be measured).
+FP8Q_WIDE_F16_SUMS = True
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -386,4 +388,5 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         QUERY_REG_COLS=QK1_QUERY_REG_COLS.get(form, 0) if qk1 else 0, DS_MLA=ds_mla, FP8_QUERY=params.fp8_query,
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
-        HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params))
+        HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params),
+        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS)
