@@ -235,9 +235,10 @@ def table_tile(kind: str, bucket: int, *, batch: int, sparse: bool, cc_major: in
 # slower with ragged lengths. 20 and 24 heads (30, ragged) over the 32-row blocks: 0.83-0.98 from 2^22. With the
 # p @ v products over the rows bucket (FP8Q_WIDE_PV_ROWS; 31), 16 heads from 2^22 over 2^24: batch 16 kv 16k 0.92 /
 # 0.90, batch 64 kv 4k 0.95 / 0.89, batch 128 kv 4k 0.93 / 0.87; from 2^21 only batch 128 kv 1k measured (0.95,
-# ragged).
+# ragged). With the softmax over 32 packed rows alone (FP8Q_WIDE_HALF_ROWS), 32 heads from 2^21 over 2^22, ragged
+# (42): batch 4 kv 16k 0.92, batch 16 kv 4k 0.90, batch 64 kv 1k 0.96.
 FP8_QUERY_WIDE_MIN_ROWS = 16
-FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 22, 32: 1 << 22, 64: 1 << 22, 128: 1 << 21}
+FP8_QUERY_WIDE_MIN_WORK = {16: 1 << 22, 32: 1 << 21, 64: 1 << 22, 128: 1 << 21}
 # The wide FP8-query form's p @ v products over the launch's packed rows bucket (16 or 32 of its 64 rows) where
 # there are no more, instead of all 64.
 FP8Q_WIDE_PV_ROWS = True
@@ -256,7 +257,9 @@ FP8Q_WIDE_ROW_AHEAD = True
 # (fp8-query-wide-h200.txt 39), 20 and 32 heads, batch 16-128, kv 4k-16k: 0.926 uniform (0.908-0.942), 0.939 ragged
 # (0.927-0.947).
 FP8Q_WIDE_HALF_ROWS = frozenset({32})
-# The wide form's scorer sums each tile's rounded p within a thread in fp16, not fp32 (to be measured).
+# The wide form's scorer sums each tile's rounded p within a thread in fp16, then adds the sums to its fp32 row sums,
+# not each value in fp32. H200 (fp8-query-wide-h200.txt 41), 32-128 heads: 0.981 uniform (0.952-1.007), 0.983 ragged
+# (0.958-1.001); 64-128 heads 0.95-0.99, 32 heads (half the rows already) 0.995-1.007.
 FP8Q_WIDE_F16_SUMS = True
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
