@@ -65,7 +65,7 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
         tile = fp8_query_tile(num_heads=heads, q_len=q_len, **big)
         assert tile.fp8_query and tile.warp_specialized and tile.block_h == rows, (heads, q_len, tile)
     # rows x batch x the longest request: from 2^21 with 128 heads (from batch 16 at 1k tokens, 4 at 4k, 1 at 16k),
-    # from 2^22 with 64 (from batch 64 at 1k, 16 at 4k, 4 at 16k), from 2^21 with 32 (batch 64 at 1k, 16 at 4k); four
+    # from 2^22 with 64 (from batch 64 at 1k, 16 at 4k, 4 at 16k), from 2^19 with 32 (batch 16 at 1k, 1 at 16k); four
     # slots and the scores ahead from 2^25 (64 heads at batch 32, 16k tokens; 32 heads from batch 64 at 16k); 16
     # heads from 2^22 too (batch 64 at 4k, 16 at 16k)
     for heads, batch, max_items, rows, slots in (
@@ -75,11 +75,11 @@ def test_fp8_query_tile_is_the_narrow_form_up_to_32_rows_and_the_wide_form_with_
             (64, 8, 4096, 32, 3), (64, 4, 16384, 64, 3), (64, 2, 16384, 32, 3), (64, 16, 2048, 32, 3),
             (128, 1, 16384, 64, 3), (128, 4, 4096, 64, 3), (128, 2, 4096, 32, 3), (128, 16, 1024, 64, 3),
             (128, 8, 1024, 32, 3), (32, 16, 8192, 64, 3), (32, 16, 4096, 64, 3), (32, 64, 1024, 64, 3),
-            (32, 8, 4096, 32, 3), (32, 32, 1024, 32, 3),
+            (32, 16, 1024, 64, 3), (32, 1, 16384, 64, 3), (32, 8, 1024, 32, 3), (32, 1, 8192, 32, 3),
             (32, 128, 1024, 64, 3), (32, 32, 16384, 64, 3),
             (64, 64, 16384, 64, 4), (128, 128, 4096, 64, 4), (128, 16, 16384, 64, 4), (64, 16, 16384, 64, 3),
             (64, 32, 16384, 64, 4), (128, 64, 2048, 64, 3), (32, 64, 16384, 64, 4), (20, 128, 16384, 64, 4),
-            (20, 64, 4096, 64, 3), (20, 16, 4096, 32, 3)):
+            (20, 64, 4096, 64, 3), (20, 16, 4096, 64, 3), (20, 4, 4096, 32, 3)):
         tile = fp8_query_tile(num_heads=heads, q_len=1, batch=batch, max_items=max_items)
         assert (tile.block_h, tile.num_stages) == (rows, slots), (heads, batch, max_items, tile)
     # the dispatch gives it whatever the shape; the tuner's refinement also times the other forms from 16 rows,
