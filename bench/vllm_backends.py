@@ -23,7 +23,7 @@ count's bound. `--spread wide` draws the other requests' lengths from 1..kv_len 
 vLLM cannot be installed on the lent GPU (torch 2.11); its Python files and FlashMLA extensions can be loaded
 (REFERENCE.md section 6):
 
-    ../shared/tools/vllm-kernels --py vllm/third_party --py vllm/__init__.py   # .vllm/*.tar.xz (on the dev machine)
+    ../shared/tools/vllm-kernels   # .vllm/*.tar.xz, every vllm/*.py (importing vllm needs more than third_party/)
     mkdir -p .vsite && tar -xJf .vllm/vllm-0.33.0-kernels.tar.xz -C .vsite
     PYTHONPATH=$PWD/.vsite python3 bench/vllm_backends.py --grid quick --out $OUT/vllm_backends.txt
     PYTHONPATH=$PWD/.vsite python3 bench/vllm_backends.py --grid cg   # dense only, ours against ours_cg

@@ -7,10 +7,11 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 
 - the scorer (the default partition, warpgroup 0) rounds the query to e4m3 (a scale per row, as the narrow form),
   scores tile t with the rows on M (`s = q k^T`, one m64n64 chain over 576 columns: the row max and sums stay within
-  a quad of lanes), or where the launch packs 16 rows transposed (`s^T = k q^T`, m64n16 over the tokens: with the
-  rows on M, 3/4 of those products would be padding), and hands p (`2^8 p` in e4m3) and the tile's rescale factors
-  over one of two shared buffers; with four token slots and TMA copies it issues tile t's score MMAs before tile
-  t - 1's softmax, which runs while they do;
+  a quad of lanes; where the launch packs 17-32 rows they lie in the first 8 of each warp's 16, and the softmax
+  takes those alone, `HALF_ROWS`), or where the launch packs 16 rows transposed (`s^T = k q^T`, m64n16 over the
+  tokens: with the rows on M, 3/4 of those products would be padding), and hands p (`2^8 p` in e4m3) and the tile's
+  rescale factors over one of two shared buffers; with four token slots and TMA copies it issues tile t's score MMAs
+  before tile t - 1's softmax, which runs while they do;
 - two p @ v warpgroups each read their 256 of the tile's latent columns from the slot into registers, release it,
   and transpose them there as wgmma's register operand of `o^T = v^T p^T` (8-bit wgmma reads shared operands
   K-major only; p^T is the K-major shared operand p's buffer already is), over p's first 16 or 32 rows where the
