@@ -128,7 +128,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
 
     from mla_tune.backends.triton_mla.config import HOPPER_MAXNREG, LaunchParams
     from mla_tune.backends.triton_mla.dispatch import (
-        HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_tile, hopper_constexprs, rounds_query_before)
+        HOPPER_QK1_TILE, HOPPER_TILES, fp8_query_form_tile, fp8_query_tile, hopper_constexprs, rounds_query_before)
     from mla_tune.backends.triton_mla.hopper import _mla_hopper_kernel
     from mla_tune.backends.triton_mla.launcher import tma_col_blocks
 
@@ -136,11 +136,12 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     fp8 = kv == "fp8" or ds_mla
     tma = overrides.pop("TMA_KV", False)
     rounded_query = overrides.pop("ROUNDED_QUERY", None)
-    # FP8-query: the four-slot wide form for 64 rows, the narrow form for 16-32 (a batch of one: too little work for
-    # the wide one)
-    tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128 if rows > 32 else 1, max_items=16384)
-            if overrides.get("FP8_QUERY")
-            else HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows])
+    # FP8-query: the four-slot wide form for 64 rows, the narrow form for 16-32
+    if overrides.get("FP8_QUERY"):
+        tile = (fp8_query_tile(num_heads=rows, q_len=1, batch=128, max_items=16384) if rows > 32
+                else fp8_query_form_tile("narrow", rows))
+    else:
+        tile = HOPPER_QK1_TILE if qk1 else HOPPER_TILES[rows]
     params = LaunchParams(**tile.launch_fields())
     if rounded_query is None:
         rounded_query = rounds_query_before(params)
