@@ -154,10 +154,9 @@ def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem
     p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
     # the sums of the rounded p that `p @ v` multiplies, over each thread's columns (`[rows, 8, 8]`: the column
     # blocks of 8 a thread holds are registers), reduced across the quad of lanes after the loop
-    if F16_SUMS:  # a tile's 8 blocks summed in fp16 (2^8 p <= 256: up to 2048, within 2^-11), then fp32
-        tile_sums = gl.sum(gl.reshape(p.to(gl.float16), [p.shape[0], 8, p.shape[1] // 8]), 1).to(gl.float32)
-    else:
-        tile_sums = gl.sum(gl.reshape(p.to(gl.float32), [p.shape[0], 8, p.shape[1] // 8]), 1)
+    # with F16_SUMS a tile's 8 blocks summed in fp16 (2^8 p <= 256: up to 2048, within 2^-11), then taken to fp32
+    sum_dtype: gl.constexpr = gl.float16 if F16_SUMS else gl.float32
+    tile_sums = gl.sum(gl.reshape(p.to(sum_dtype), [p.shape[0], 8, p.shape[1] // 8]), 1).to(gl.float32)
     l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + tile_sums
     buf = t % P_BUFFERS
     mbarrier.wait(p_empty.index(buf), ((t // P_BUFFERS) & 1) ^ 1)
