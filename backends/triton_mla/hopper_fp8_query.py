@@ -88,12 +88,20 @@ def tma_reads(src: KvSource, t):
 
 
 @gluon.jit
+def _cache_row(src: KvSource, item, ok=None):
+    """The cache row of the program's item `item`, through its block-table row (with `ok`: 0 where it is False)."""
+    if ok is None:
+        page = gl.load(src.bt_row + item // src.PAGE_SIZE)
+    else:
+        page = gl.load(src.bt_row + item // src.PAGE_SIZE, mask=ok, other=0)
+    return page * src.PAGE_SIZE + item % src.PAGE_SIZE
+
+
+@gluon.jit
 def tile_row(src: KvSource, t):
     """The cache row of tile `t`'s first token (0 for a tile past the program's range, which no copy reads), for a
     TMA copy of one box a tile read ahead of it (`tma_tile`'s `first_row`)."""
-    item = src.start + t * src.BLOCK_N
-    page = gl.load(src.bt_row + item // src.PAGE_SIZE, mask=tma_reads(src, t), other=0)
-    return page * src.PAGE_SIZE + item % src.PAGE_SIZE
+    return _cache_row(src, src.start + t * src.BLOCK_N, tma_reads(src, t))
 
 
 @gluon.jit
@@ -113,7 +121,7 @@ def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc, BLOCK0: gl.
     for j in gl.static_range(src.BLOCK_N // BOX):
         item = n0 + j * BOX
         if first_row is None:
-            row = gl.load(src.bt_row + item // src.PAGE_SIZE) * src.PAGE_SIZE + item % src.PAGE_SIZE
+            row = _cache_row(src, item)
         else:
             gl.static_assert(BOX == src.BLOCK_N, "first_row: one box takes the tile")
             row = first_row
