@@ -138,10 +138,6 @@ LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8
 HOPPER_CONSUMER_FENCE = False
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
-# The qk1 form's softmax: the score scale in exp2's FFMA, the max over raw scores, no mask on whole dense tiles.
-QK1_EXP2_SCALE = False
-# The qk1 form's row sums added after its p @ v is issued, not before.
-QK1_LATE_SUMS = False
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
@@ -267,9 +263,6 @@ FP8Q_WIDE_HALF_ROWS = frozenset({32})
 # not each value in fp32. H200 (fp8-query-wide-h200.txt 41), 32-128 heads: 0.981 uniform (0.952-1.007), 0.983 ragged
 # (0.958-1.001); 64-128 heads 0.95-0.99, 32 heads (half the rows already) 0.995-1.007.
 FP8Q_WIDE_F16_SUMS = True
-# The wide form's softmax exponent (experiment): 0, the scores scaled, then exp2 of their difference to the max; 1, the
-# max over raw scores and the scale in exp2's FFMA; 2, as 1 with exp2 two values an instruction in fp16.
-FP8Q_WIDE_EXP2_FORM = 0
 # The FP8-query forms copy whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors).
 FP8Q_TMA = True
 # The kernel forms whose query is rounded to e4m3 once, before stage 1 (query_e4m3.py), and copied as it is by every
@@ -401,5 +394,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
         HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params),
-        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS,
-        EXP2_FORM=FP8Q_WIDE_EXP2_FORM if wide else 0, EXP2_SCALE=qk1 and QK1_EXP2_SCALE, LATE_SUMS=qk1 and QK1_LATE_SUMS)
+        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS)

@@ -57,8 +57,8 @@ def _mla_hopper_kernel(
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
     SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-    ROW_AHEAD: gl.constexpr = False, EXP2_SCALE: gl.constexpr = False, LATE_SUMS: gl.constexpr = False,
-    HALF_ROWS: gl.constexpr = False, F16_SUMS: gl.constexpr = False, EXP2_FORM: gl.constexpr = 0,
+    ROW_AHEAD: gl.constexpr = False,
+    HALF_ROWS: gl.constexpr = False, F16_SUMS: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, q_amax_ptr=None,
     LAUNCH_COMBINE_EARLY: gl.constexpr = False,
 ):
@@ -108,7 +108,7 @@ def _mla_hopper_kernel(
             _run_fp8q(src, prog, LOAD_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
         else:
             _run_fp8q_wide(src, prog, MMA_REGS, kv_lat_desc, kv_rope_desc, TMA_KV, SCORES_AHEAD, PV_ROWS, SCORES_T,
-                           ROW_AHEAD, HALF_ROWS, F16_SUMS, EXP2_FORM)
+                           ROW_AHEAD, HALF_ROWS, F16_SUMS)
     else:
         # The query's shared memory (FP8: scaled by q_scale, then rounded to fp16), filled here by every warp before the
         # partitions start, or (QUERY_IN_CONSUMER) by the MMA warps while the loader already streams KV tiles.
@@ -132,7 +132,6 @@ def _mla_hopper_kernel(
         if N_ROWS < ROWS:
             _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
         elif QK1:
-            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
-                     EXP2_SCALE, LATE_SUMS)
+            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
         else:
             _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

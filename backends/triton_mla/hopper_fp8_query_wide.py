@@ -139,32 +139,19 @@ def _scores(q_lat, q_rope, ring: Ring, slot, zero_s, SCORES_T: gl.constexpr):
 
 @gluon.jit
 def _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
-                  prog: Program, s_layout: gl.constexpr, F16_SUMS: gl.constexpr = False,
-                  EXP2_FORM: gl.constexpr = 0):
+                  prog: Program, s_layout: gl.constexpr, F16_SUMS: gl.constexpr = False):
     """Tile `t`'s online softmax on its raw scores `s`: p (`2^8 p` in e4m3) and the rescale factors into buffer
     `t % P_BUFFERS` for the p @ v warpgroups; returns the running max and each thread's part of the row sums."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
-    if EXP2_FORM == 0:
-        s = s * score_scale[:, None]
+    s = s * score_scale[:, None]
     if prog.start + (t + 1) * BLOCK_N > interior_end:  # a tile some rows do not see whole
         pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
                                   gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
         s = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), s, float("-inf"))
-    if EXP2_FORM == 0:
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-    else:  # the scale is positive: the max of the raw scores, scaled
-        m_new = gl.maximum(m_i, gl.max(s, 1) * score_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = gl.exp2(m_i - m_safe)
-    if EXP2_FORM == 0:
-        p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
-    else:
-        x = gl.fma(s, gl.broadcast(score_scale[:, None], s)[0], gl.broadcast((P_LOG2_SCALE - m_safe)[:, None], s)[0])
-        if EXP2_FORM == 1:
-            p = gl.exp2(x).to(p_smem.dtype)
-        else:  # two at a time in fp16: its error (~2^-10) is far below the e4m3 rounding that follows
-            p = gl.inline_asm_elementwise("{ .reg .b32 h; cvt.rn.f16x2.f32 h, $2, $1; ex2.approx.f16x2 $0, h; }",
-                                          "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2).to(p_smem.dtype)
+    p = gl.exp2(s - (m_safe - P_LOG2_SCALE)[:, None]).to(p_smem.dtype)
     # the sums of the rounded p that `p @ v` multiplies, over each thread's columns (`[rows, 8, 8]`: the column
     # blocks of 8 a thread holds are registers), reduced across the quad of lanes after the loop
     # with F16_SUMS a tile's 8 blocks summed in fp16 (2^8 p <= 256: up to 2048, within 2^-11), then taken to fp32
@@ -234,15 +221,14 @@ def _first_copies(ring: Ring, src: KvSource, prog: Program, lat_desc, rope_desc,
 
 @gluon.jit
 def _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full, p_empty,
-             prog: Program, s_layout: gl.constexpr, SCORES_T: gl.constexpr, F16_SUMS: gl.constexpr = False,
-             EXP2_FORM: gl.constexpr = 0):
+             prog: Program, s_layout: gl.constexpr, SCORES_T: gl.constexpr, F16_SUMS: gl.constexpr = False):
     """`_softmax_t_to_p` on transposed scores, `_softmax_to_p` otherwise."""
     if SCORES_T:
         m_i, l_i = _softmax_t_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem,
                                    p_full, p_empty, prog, s_layout)
     else:
         m_i, l_i = _softmax_to_p(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
-                                 p_empty, prog, s_layout, F16_SUMS, EXP2_FORM)
+                                 p_empty, prog, s_layout, F16_SUMS)
     return m_i, l_i
 
 
@@ -250,7 +236,7 @@ def _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alp
 def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar,
                  prog: Program, lat_desc, rope_desc, TMA: gl.constexpr, SCORES_AHEAD: gl.constexpr,
                  SCORES_T: gl.constexpr, R: gl.constexpr, HALF_ROWS: gl.constexpr = False,
-                 F16_SUMS: gl.constexpr = False, EXP2_FORM: gl.constexpr = 0):
+                 F16_SUMS: gl.constexpr = False):
     """Warpgroup 0: the e4m3 query; per tile the scores, the online softmax and p with its rescale factors into
     buffer `t % P_BUFFERS`; at the end the row sums for the p @ v warpgroups, and the LSE. With `TMA` it copies the
     first STAGES tiles and a partial last tile (the p @ v warpgroups the others); otherwise every tile, by
@@ -297,14 +283,12 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             s_new = _scores(q_lat, q_rope, ring, t % ring.STAGES, zero_s, SCORES_T)
             if t > 0:  # the previous tile's softmax while this tile's score MMAs run
                 m_i, l_i = _softmax(s_prev, t - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                    alpha_smem, p_full, p_empty, prog, sm_layout, SCORES_T, F16_SUMS,
-                                    EXP2_FORM)
+                                    alpha_smem, p_full, p_empty, prog, sm_layout, SCORES_T, F16_SUMS)
                 _partial_copy(ring, src, t - 1)
             s_prev = _softmax_rows(warpgroup_mma_wait(num_outstanding=0, deps=(s_new,)), HALF_ROWS)
         if prog.n_tiles > 0:
             m_i, l_i = _softmax(s_prev, prog.n_tiles - 1, m_i, l_i, score_scale, visible_len, interior_end, p_smem,
-                                alpha_smem, p_full, p_empty, prog, sm_layout, SCORES_T, F16_SUMS,
-                                    EXP2_FORM)
+                                alpha_smem, p_full, p_empty, prog, sm_layout, SCORES_T, F16_SUMS)
     else:
         for t in range(prog.n_tiles):
             slot = t % ring.STAGES
@@ -317,8 +301,7 @@ def _wide_scorer(q_lat, q_rope, ring: Ring, src: KvSource, p_smem, alpha_smem, p
             s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_lat, q_rope, ring, slot, zero_s, SCORES_T),))
             s = _softmax_rows(s, HALF_ROWS)
             m_i, l_i = _softmax(s, t, m_i, l_i, score_scale, visible_len, interior_end, p_smem, alpha_smem, p_full,
-                                p_empty, prog, sm_layout, SCORES_T, F16_SUMS,
-                                    EXP2_FORM)
+                                p_empty, prog, sm_layout, SCORES_T, F16_SUMS)
             if TMA:
                 _partial_copy(ring, src, t)
     async_copy.wait_group(0)  # the copies past the range (none read memory) land before the program ends
@@ -428,7 +411,7 @@ def _wide_pv(ring: Ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, pro
 def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr,
                    SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
                    ROW_AHEAD: gl.constexpr = False, HALF_ROWS: gl.constexpr = False,
-                   F16_SUMS: gl.constexpr = False, EXP2_FORM: gl.constexpr = 0):
+                   F16_SUMS: gl.constexpr = False):
     """This form's shared memory and barriers, and its partitions: the scorer by default (`SCORES_T`: on transposed
     scores over the `PV_ROWS` rows), the two p @ v warpgroups (`PV_REGS` registers a thread; `PV_ROWS`: the rows
     they multiply, 16 or 32 where the launch packs no more) as workers."""
@@ -465,7 +448,7 @@ def _run_fp8q_wide(src: KvSource, prog: Program, PV_REGS: gl.constexpr, lat_desc
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
         (_wide_scorer, (q_lat, q_rope, ring, src, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, lat_desc,
-                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS, HALF_ROWS, F16_SUMS, EXP2_FORM)),
+                        rope_desc, TMA, SCORES_AHEAD, SCORES_T, PV_ROWS, HALF_ROWS, F16_SUMS)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 0, src, lat_desc, rope_desc, TMA,
                     PV_ROWS, ROW_AHEAD)),
         (_wide_pv, (ring, p_smem, alpha_smem, p_full, p_empty, l_smem, l_bar, prog, 1, src, lat_desc, rope_desc, TMA,

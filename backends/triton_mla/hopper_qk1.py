@@ -107,15 +107,10 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
 
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr = True,
-              EXP2_SCALE: gl.constexpr = False, LATE_SUMS: gl.constexpr = False):
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Warpgroup 0 on tile `t`, once its score MMAs `s` are issued: waits for them, runs the online softmax, hands p
     (over the slot's rope columns) and the rescale factors to warpgroup 1, rescales its output columns and issues
-    `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum).
-
-    `EXP2_SCALE`: the score scale (positive) applied in exp2's argument, one FFMA an element, the max taken over the
-    raw scores; without `MASKED` every key of the tile is visible to every row and no mask is applied.
-    `LATE_SUMS`: the row sums added once `p @ v` is issued, off the path to it."""
+    `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -127,61 +122,33 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     # One query token sees the whole request, which `ok` already checks: its mask is a column bias, computed while
     # the score MMAs run, one FMA an element after them.
     COLUMN_BIAS: gl.constexpr = prog.Q_LEN == 1
-    if COLUMN_BIAS and MASKED:
+    if COLUMN_BIAS:
         bias = gl.where(ok, 0.0, float("-inf"))
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    if EXP2_SCALE:
-        if MASKED:
-            if COLUMN_BIAS:
-                scores = scores + bias[None, :]
-            else:
-                scores = gl.where(ok[None, :] & (pos[None, :] < visible_len[:, None]), scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, 1) * prog.qk_scale)
+    if COLUMN_BIAS:
+        scores = scores * prog.qk_scale + bias[None, :]
     else:
-        if COLUMN_BIAS:
-            scores = scores * prog.qk_scale + bias[None, :]
-        else:
-            visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
-            scores = gl.where(visible, scores * prog.qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, 1))
+        visible = ok[None, :] & (pos[None, :] < visible_len[:, None])
+        scores = gl.where(visible, scores * prog.qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1))
     m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)  # lazy: keep the reference unless it grew enough
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     # 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
     alpha = gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
-    if EXP2_SCALE:
-        p = gl.exp2(gl.fma(scores, gl.full_like(scores, prog.qk_scale), -m_safe[:, None]))
-    else:
-        p = gl.exp2(scores - m_safe[:, None])
+    p = gl.exp2(scores - m_safe[:, None])
     p = _round_pairs(p, kl.dtype)
-    if not LATE_SUMS:
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
+    l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     _reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, BLOCK_N, p_smem_layout).store(p)
     exch.alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(exch.p_bars.index(slot))
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
-    if LATE_SUMS:
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
     return acc, m_new, l_i
 
 
 @gluon.jit
-def _qk1_step(q_lat, q_rope, q_regs, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len,
-              zero_s, s_layout: gl.constexpr, o_layout: gl.constexpr, REG_COLS: gl.constexpr, MASKED: gl.constexpr,
-              EXP2_SCALE: gl.constexpr, LATE_SUMS: gl.constexpr):
-    """Warpgroup 0 on tile `t`, from its slot's arrival to its release (`_qk1_tile`'s switches)."""
-    slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
-    acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
-                              ring, exch, prog, visible_len, s_layout, o_layout, MASKED, EXP2_SCALE, LATE_SUMS)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(ring.empty_bars.index(slot))
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
-                EXP2_SCALE: gl.constexpr = False, LATE_SUMS: gl.constexpr = False):
+def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0):
     """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
@@ -197,17 +164,12 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, prog.BLOCK_N], gl.float32, s_layout)
     q_regs = _qk1_query_regs(prog, s_layout, REG_COLS)
-    # with EXP2_SCALE, one query token over dense keys: every tile but the last is whole, visible to every row
-    UNMASKED_TILES: gl.constexpr = EXP2_SCALE and prog.Q_LEN == 1 and not prog.SPARSE
-    n_whole = 0
-    if UNMASKED_TILES:
-        n_whole = gl.maximum(prog.n_tiles - 1, 0)
-        for t in range(n_whole):
-            acc, m_i, l_i = _qk1_step(q_lat, q_rope, q_regs, acc, m_i, l_i, t, ring, exch, prog, visible_len,
-                                      zero_s, s_layout, o_layout, REG_COLS, False, EXP2_SCALE, LATE_SUMS)
-    for t in range(n_whole, prog.n_tiles):
-        acc, m_i, l_i = _qk1_step(q_lat, q_rope, q_regs, acc, m_i, l_i, t, ring, exch, prog, visible_len, zero_s,
-                                  s_layout, o_layout, REG_COLS, True, EXP2_SCALE, LATE_SUMS)
+    for t in range(prog.n_tiles):
+        slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
+        acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
+                                  ring, exch, prog, visible_len, s_layout, o_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
     mbarrier.arrive(exch.l_bar)
     _epilogue(acc, m_i, l_i, prog, o_layout, rows_s, 0, 256, True)
@@ -241,7 +203,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, EXP2_SCALE: gl.constexpr = False, LATE_SUMS: gl.constexpr = False):
+             LOAD_REGS: gl.constexpr):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -253,7 +215,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     mbarrier.init(l_bar, count=1)
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
     gl.warp_specialize([
-        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, EXP2_SCALE, LATE_SUMS)),
+        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
         (_qk1_second, (ring, exch, prog)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
