@@ -57,7 +57,7 @@ def _mla_hopper_kernel(
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
     SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-    ROW_AHEAD: gl.constexpr = False, SPLIT_SLOTS: gl.constexpr = False,
+    ROW_AHEAD: gl.constexpr = False,
     HALF_ROWS: gl.constexpr = False, F16_SUMS: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, q_amax_ptr=None,
     LAUNCH_COMBINE_EARLY: gl.constexpr = False,
@@ -121,22 +121,17 @@ def _mla_hopper_kernel(
 
         k_lat = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 512], smem_layout)
         k_rope = gl.allocate_shared_memory(mma_dtype, [STAGES, BLOCK_N, 64], smem_layout)
-        # SPLIT_SLOTS (qk1, 16-bit): each slot's two halves (value columns 0-255; the rope and columns 256-511)
-        # have barriers of their own, slot s's second half at STAGES + s, each freed by the one warpgroup reading it
-        gl.static_assert(not SPLIT_SLOTS or (QK1 and not KV_FP8 and QUERY_REG_COLS == 0), "SPLIT_SLOTS: qk1, 16-bit")
-        N_BARS: gl.constexpr = 2 * STAGES if SPLIT_SLOTS else STAGES
-        full_bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(N_BARS):
+        full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
             # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
             mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
                           else LOAD_WARPS * 32)
-            mbarrier.init(empty_bars.index(i), count=2 if QK1 and not SPLIT_SLOTS else 1)
+            mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
         ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
         if N_ROWS < ROWS:
             _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
         elif QK1:
-            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
-                     SPLIT_SLOTS)
+            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
         else:
             _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

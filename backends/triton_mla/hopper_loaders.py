@@ -44,19 +44,6 @@ def _copy_tile(dst_lat, dst_rope, row, ok, layout: gl.constexpr):
 
 
 @gluon.jit
-def _copy_half(ring: Ring, slot, HALF: gl.constexpr, row, ok, layout: gl.constexpr):
-    """`cp.async` of one half of a tile into ring slot `slot` (0: value columns 0-255; 1: the rope and columns
-    256-511), each thread arriving on that half's full barrier once its copies land."""
-    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
-    _async_load(ring.k_lat.index(slot).slice(HALF * 256, 256, dim=1), HALF * 256 + row[:, None] + cols[None, :],
-                mask=ok[:, None])
-    if HALF == 1:
-        cols_rope = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        _async_load(ring.k_rope.index(slot), 512 + row[:, None] + cols_rope[None, :], mask=ok[:, None])
-    async_copy.mbarrier_arrive(ring.full_bars.index(HALF * ring.STAGES + slot), increment_count=False)
-
-
-@gluon.jit
 def _load_chunks(row, ok, cols, STEP: gl.constexpr = 64):
     """One tile's rows as nine `[rows, STEP]` register chunks (eight latent, one rope), `STEP` elements of the row
     apart: 64 for e4m3 values, 16 for them as 32-bit words (`_load_fp8_ahead`); zeros where invalid."""
@@ -159,7 +146,7 @@ def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
 
 @gluon.jit
 def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False, SPLIT: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -169,9 +156,7 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
     a barrier between the chunk stores, which would otherwise hold each chunk's load back until the previous chunk is
     stored), then cast to fp16 and stored while the MMA warps work on the other slot. With `PREFETCH` (FP8) it asks
     the L2 for the next tile's lines before it waits for that tile's slot; with `AHEAD` (FP8) it loads the next
-    tile's bytes before the wait instead (`_load_fp8_ahead`). With `SPLIT` (16-bit, the qk1 form's split slots) each
-    half of a slot is copied once its own reader frees it: the rope and value columns 256-511 (barriers
-    `STAGES + slot`) first, then columns 0-255.
+    tile's bytes before the wait instead (`_load_fp8_ahead`).
     """
     if src.DS_MLA:
         _load_ds_mla(src, ring, FIRST, STRIDE, PREFETCH)
@@ -190,13 +175,8 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
                          src.stride_kvp, src.stride_kvt, layout, BLOCK_N, src.PAGE_SIZE, src.SPARSE)
     for t in range(FIRST, src.n_tiles, STRIDE):
         slot = t % ring.STAGES
-        if SPLIT:
-            mbarrier.wait(ring.empty_bars.index(ring.STAGES + slot), ((t // ring.STAGES) & 1) ^ 1)
-            _copy_half(ring, slot, 1, row, ok, layout)
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
-        if SPLIT:
-            _copy_half(ring, slot, 0, row, ok, layout)
-        elif src.KV_FP8:
+        if src.KV_FP8:
             # Written out: the same stores through `_store_chunks` place two address multiply-adds differently
             # and ran 1.13-1.20x slower at FP8 64 heads.
             xs = _load_chunks(row, ok, cols)

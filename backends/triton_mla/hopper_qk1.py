@@ -90,25 +90,6 @@ def _qk1_scores(q_lat, q_rope, q_regs, ring: Ring, slot, zero_s, REG_COLS: gl.co
 
 
 @gluon.jit
-def _qk1_scores_split(q_lat, q_rope, ring: Ring, t, zero_s, FENCE_SLOTS: gl.constexpr):
-    """Tile `t`'s score MMAs over split slots (`SPLIT_SLOTS`): the rope and value columns 256-511 once that half has
-    landed, then columns 0-255 once they have; issued, not waited for. Returns (scores, ring slot)."""
-    slot = t % ring.STAGES
-    phase = (t // ring.STAGES) & 1
-    kl = ring.k_lat.index(slot)
-    mbarrier.wait(ring.full_bars.index(ring.STAGES + slot), phase)
-    if FENCE_SLOTS:
-        fence_async_shared()
-    s = warpgroup_mma(q_rope, ring.k_rope.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_lat.slice(256, 256, dim=1), kl.slice(256, 256, dim=1).permute((1, 0)), s, is_async=True)
-    mbarrier.wait(ring.full_bars.index(slot), phase)
-    if FENCE_SLOTS:
-        fence_async_shared()
-    s = warpgroup_mma(q_lat.slice(0, 256, dim=1), kl.slice(0, 256, dim=1).permute((1, 0)), s, is_async=True)
-    return s, slot
-
-
-@gluon.jit
 def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexpr):
     """The query's columns that `_qk1_scores` takes from registers, loaded from global memory (so no barrier orders
     them after the shared-memory copy): (rope, the first `REG_COLS - 64` latent columns, or the rope again where
@@ -167,10 +148,8 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
 
 
 @gluon.jit
-def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
-                SPLIT: gl.constexpr = False):
-    """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255 (with `SPLIT`, the
-    slot halves of `_qk1_scores_split`, of which it frees the first)."""
+def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0):
+    """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -186,12 +165,9 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     zero_s = gl.zeros([ROWS, prog.BLOCK_N], gl.float32, s_layout)
     q_regs = _qk1_query_regs(prog, s_layout, REG_COLS)
     for t in range(prog.n_tiles):
-        if SPLIT:
-            s, slot = _qk1_scores_split(q_lat, q_rope, ring, t, zero_s, prog.FENCE_SLOTS)
-        else:
-            slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
-            s = _qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS)
-        acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, t, ring, exch, prog, visible_len, s_layout, o_layout)
+        slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
+        acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
+                                  ring, exch, prog, visible_len, s_layout, o_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
@@ -200,21 +176,16 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
 
 
 @gluon.jit
-def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, SPLIT: gl.constexpr = False):
+def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
     """Warpgroup 1 (a worker): rescales where a reference moved and multiplies p by value columns 256-511; writes
-    those output columns with warpgroup 0's row sums. With `SPLIT` it frees the slot's second half alone."""
-    HALF_BAR: gl.constexpr = ring.STAGES if SPLIT else 0  # the barriers of the slot half it reads
+    those output columns with warpgroup 0's row sums."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     acc = gl.zeros([ROWS, 256], gl.float32, o_layout)
     for t in range(prog.n_tiles):
-        slot = t % ring.STAGES
-        phase = (t // ring.STAGES) & 1
-        mbarrier.wait(ring.full_bars.index(HALF_BAR + slot), phase)
-        if prog.FENCE_SLOTS:
-            fence_async_shared()
+        slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
         mbarrier.wait(exch.p_bars.index(slot), phase)
         kl = ring.k_lat.index(slot)
         alpha = exch.alpha_smem.index(slot).load(rows_o)
@@ -223,7 +194,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, SPLIT: gl.constexp
         acc = warpgroup_mma(_reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, prog.BLOCK_N, p_smem_layout),
                             kl.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(ring.empty_bars.index(HALF_BAR + slot))
+        mbarrier.arrive(ring.empty_bars.index(slot))
     mbarrier.wait(exch.l_bar, 0)
     l_i = exch.l_smem.load(rows_o)
     _epilogue(acc, l_i, l_i, prog, o_layout, rows_o, 256, 256, False)
@@ -232,7 +203,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, SPLIT: gl.constexp
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, SPLIT_SLOTS: gl.constexpr = False):
+             LOAD_REGS: gl.constexpr):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -244,7 +215,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     mbarrier.init(l_bar, count=1)
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
     gl.warp_specialize([
-        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, SPLIT_SLOTS)),
-        (_qk1_second, (ring, exch, prog, SPLIT_SLOTS)),
-        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, SPLIT_SLOTS))],
+        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
+        (_qk1_second, (ring, exch, prog)),
+        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
