@@ -176,10 +176,9 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
 
 
 @gluon.jit
-def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, ALWAYS_RESCALE: gl.constexpr = False):
+def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
     """Warpgroup 1 (a worker): rescales where a reference moved and multiplies p by value columns 256-511; writes
-    those output columns with warpgroup 0's row sums. `ALWAYS_RESCALE`: it rescales on every tile instead of first
-    asking (a reduction over all 64 rows) whether any reference moved."""
+    those output columns with warpgroup 0's row sums."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -190,9 +189,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, ALWAYS_RESCALE: gl
         mbarrier.wait(exch.p_bars.index(slot), phase)
         kl = ring.k_lat.index(slot)
         alpha = exch.alpha_smem.index(slot).load(rows_o)
-        if ALWAYS_RESCALE:
-            acc = acc * alpha[:, None]
-        elif gl.min(alpha, 0) < 1.0:  # some row's reference moved
+        if gl.min(alpha, 0) < 1.0:  # some row's reference moved
             acc = acc * alpha[:, None]
         acc = warpgroup_mma(_reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, prog.BLOCK_N, p_smem_layout),
                             kl.slice(256, 256, dim=1), acc, is_async=True)
@@ -206,7 +203,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, ALWAYS_RESCALE: gl
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, ALWAYS_RESCALE: gl.constexpr = False):
+             LOAD_REGS: gl.constexpr):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -219,6 +216,6 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
     gl.warp_specialize([
         (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
-        (_qk1_second, (ring, exch, prog, ALWAYS_RESCALE)),
+        (_qk1_second, (ring, exch, prog)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
