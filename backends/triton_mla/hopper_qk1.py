@@ -107,11 +107,10 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
 
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, RESCALE_CHECK: gl.constexpr = False):
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Warpgroup 0 on tile `t`, once its score MMAs `s` are issued: waits for them, runs the online softmax, hands p
     (over the slot's rope columns) and the rescale factors to warpgroup 1, rescales its output columns and issues
-    `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum).
-    `RESCALE_CHECK`: it rescales only where some row's reference moved, as warpgroup 1 does."""
+    `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -143,18 +142,13 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     exch.alpha_smem.index(slot).store(alpha)
     fence_async_shared()
     mbarrier.arrive(exch.p_bars.index(slot))
-    if RESCALE_CHECK:
-        if gl.min(alpha, 0) < 1.0:  # some row's reference moved
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-    else:
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
     return acc, m_new, l_i
 
 
 @gluon.jit
-def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
-                RESCALE_CHECK: gl.constexpr = False):
+def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0):
     """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
@@ -173,7 +167,7 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     for t in range(prog.n_tiles):
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
         acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
-                                  ring, exch, prog, visible_len, s_layout, o_layout, RESCALE_CHECK)
+                                  ring, exch, prog, visible_len, s_layout, o_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
@@ -209,7 +203,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, RESCALE_CHECK: gl.constexpr = False):
+             LOAD_REGS: gl.constexpr):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -221,7 +215,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     mbarrier.init(l_bar, count=1)
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
     gl.warp_specialize([
-        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, RESCALE_CHECK)),
+        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
         (_qk1_second, (ring, exch, prog)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
