@@ -138,6 +138,8 @@ LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8
 HOPPER_CONSUMER_FENCE = False
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
+# The qk1 forms whose warpgroup 0 tells warpgroup 1 by four per-warp flags whether a reference moved (experiment).
+QK1_WARP_FLAGS_FORMS = set()
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
@@ -394,4 +396,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
         HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params),
-        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS)
+        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS, WARP_FLAGS=form in QK1_WARP_FLAGS_FORMS)

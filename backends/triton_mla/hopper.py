@@ -57,7 +57,7 @@ def _mla_hopper_kernel(
     L2_PREFETCH: gl.constexpr = False, CONSUMER_FENCE: gl.constexpr = True, LOADER_AHEAD: gl.constexpr = False,
     QUERY_REG_COLS: gl.constexpr = 0, DS_MLA: gl.constexpr = False, FP8_QUERY: gl.constexpr = False,
     SCORES_AHEAD: gl.constexpr = False, PV_ROWS: gl.constexpr = ROWS, SCORES_T: gl.constexpr = False,
-    ROW_AHEAD: gl.constexpr = False,
+    ROW_AHEAD: gl.constexpr = False, WARP_FLAGS: gl.constexpr = False,
     HALF_ROWS: gl.constexpr = False, F16_SUMS: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, q_amax_ptr=None,
     LAUNCH_COMBINE_EARLY: gl.constexpr = False,
@@ -132,6 +132,7 @@ def _mla_hopper_kernel(
         if N_ROWS < ROWS:
             _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
         elif QK1:
-            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS)
+            _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
+                     WARP_FLAGS)
         else:
             _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

@@ -49,13 +49,15 @@ class Qk1Exchange:
     l_smem: base_value
     p_bars: base_value
     l_bar: base_value
+    moved_smem: base_value
 
     @gluon.constexpr_function
-    def __init__(self, alpha_smem, l_smem, p_bars, l_bar):
+    def __init__(self, alpha_smem, l_smem, p_bars, l_bar, moved_smem):
         self.alpha_smem = alpha_smem
         self.l_smem = l_smem
         self.p_bars = p_bars
         self.l_bar = l_bar
+        self.moved_smem = moved_smem
 
 
 @gluon.jit
@@ -107,7 +109,7 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
 
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
+              s_layout: gl.constexpr, o_layout: gl.constexpr, WARP_FLAGS: gl.constexpr = False):
     """Warpgroup 0 on tile `t`, once its score MMAs `s` are issued: waits for them, runs the online softmax, hands p
     (over the slot's rope columns) and the rescale factors to warpgroup 1, rescales its output columns and issues
     `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum)."""
@@ -140,6 +142,8 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
     _reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, BLOCK_N, p_smem_layout).store(p)
     exch.alpha_smem.index(slot).store(alpha)
+    if WARP_FLAGS:  # whether any of each warp's 16 rows moved its reference: a reduction within the warp
+        exch.moved_smem.index(slot).store(gl.max(gl.reshape(gl.where(alpha < 1.0, 1, 0), [4, 16]), 1))
     fence_async_shared()
     mbarrier.arrive(exch.p_bars.index(slot))
     acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
@@ -148,7 +152,8 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
 
 
 @gluon.jit
-def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0):
+def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
+                WARP_FLAGS: gl.constexpr = False):
     """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
@@ -167,7 +172,7 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     for t in range(prog.n_tiles):
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
         acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
-                                  ring, exch, prog, visible_len, s_layout, o_layout)
+                                  ring, exch, prog, visible_len, s_layout, o_layout, WARP_FLAGS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
@@ -176,9 +181,11 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
 
 
 @gluon.jit
-def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
+def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, WARP_FLAGS: gl.constexpr = False):
     """Warpgroup 1 (a worker): rescales where a reference moved and multiplies p by value columns 256-511; writes
-    those output columns with warpgroup 0's row sums."""
+    those output columns with warpgroup 0's row sums. `WARP_FLAGS`: whether a reference moved is read from warpgroup
+    0's four per-warp flags, each thread all four, instead of reduced over the 64 rescale factors across its warps."""
+    flags_layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # every thread holds all four
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -189,7 +196,10 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
         mbarrier.wait(exch.p_bars.index(slot), phase)
         kl = ring.k_lat.index(slot)
         alpha = exch.alpha_smem.index(slot).load(rows_o)
-        if gl.min(alpha, 0) < 1.0:  # some row's reference moved
+        if WARP_FLAGS:
+            if gl.max(exch.moved_smem.index(slot).load(flags_layout), 0) > 0:
+                acc = acc * alpha[:, None]
+        elif gl.min(alpha, 0) < 1.0:  # some row's reference moved
             acc = acc * alpha[:, None]
         acc = warpgroup_mma(_reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, prog.BLOCK_N, p_smem_layout),
                             kl.slice(256, 256, dim=1), acc, is_async=True)
@@ -203,19 +213,20 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program):
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr):
+             LOAD_REGS: gl.constexpr, WARP_FLAGS: gl.constexpr = False):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_bars = gl.allocate_shared_memory(gl.int64, [ring.STAGES, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    moved_smem = gl.allocate_shared_memory(gl.int32, [ring.STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(ring.STAGES):
         mbarrier.init(p_bars.index(i), count=1)
     mbarrier.init(l_bar, count=1)
-    exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar)
+    exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar, moved_smem)
     gl.warp_specialize([
-        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS)),
-        (_qk1_second, (ring, exch, prog)),
+        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, WARP_FLAGS)),
+        (_qk1_second, (ring, exch, prog, WARP_FLAGS)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
