@@ -138,8 +138,10 @@ LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8
 HOPPER_CONSUMER_FENCE = False
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
-# The qk1 forms whose warpgroup 0 tells warpgroup 1 by four per-warp flags whether a reference moved (experiment).
-QK1_WARP_FLAGS_FORMS = set()
+# The qk1 forms whose warpgroup 0 tells warpgroup 1 by four per-warp flags whether a reference moved, instead of
+# warpgroup 1 reducing the rescale factors across its warps. H200 (qk1-h200.txt 7), bf16 dense at 128 heads 0.977-0.998
+# of the time (64 heads 0.99-1.02); sparse 1.00-1.02x slower, so dense only.
+QK1_WARP_FLAGS_FORMS = {("qk1", "16bit", "dense")}
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32

@@ -170,9 +170,9 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
                       ds_mla: bool = False, fp8_query: bool = False) -> int:
     """Shared memory of one program (without Triton's few KiB of reduction scratch): the query, the ring and, in the
     narrow form, `p` and (FP8 but not fp8_ds_mla) the staging ring of two half tiles of e4m3 bytes; in the qk1 form
-    the rescale factors a slot and the row sums (p itself goes over the slot's rope columns); with `fp8_query`,
-    e4m3 query, slots, v^T (narrow: one a slot; wide: none, it is a register operand there) and p (wide: two, with
-    their rescale factors)."""
+    the rescale factors and four per-warp flags a slot and the row sums (p itself goes over the slot's rope
+    columns); with `fp8_query`, e4m3 query, slots, v^T (narrow: one a slot; wide: none, it is a register operand
+    there) and p (wide: two, with their rescale factors)."""
     if fp8_query:
         narrow = rows < ROWS.value
         v_slots, p_bufs = (stages, 1) if narrow else (0, 2)
@@ -180,7 +180,8 @@ def hopper_smem_bytes(*, block_n: int, stages: int, rows: int = 64, kv_fp8: bool
                 + (0 if narrow else (p_bufs + 1) * rows * 4))
     narrow = rows < ROWS.value
     return (rows * 576 * 2 + stages * block_n * 576 * 2 + (rows * block_n * 2 if narrow else 0)
-            + (block_n * 576 if narrow and kv_fp8 and not ds_mla else 0) + ((stages + 1) * rows * 4 if qk1 else 0))
+            + (block_n * 576 if narrow and kv_fp8 and not ds_mla else 0)
+            + ((stages + 1) * rows * 4 + stages * 4 * 4 if qk1 else 0))
 
 
 @gluon.jit
