@@ -9,7 +9,8 @@ shared memory). At the end warpgroup 0 hands over the row sums.
 
 The rescale is lazy: a row's reference max moves only when the tile's max exceeds it by more than LAZY_MAX_LOG2
 (exact either way: the sums use the same reference), and warpgroup 1 skips rescaling on tiles where no row's
-reference moved. Where `dispatch.QK1_QUERY_REG_COLS` says so, warpgroup 0 keeps the query's rope and first latent
+reference moved; where `dispatch.QK1_WARP_FLAGS_FORMS` says so it learns that from four flags warpgroup 0 reduces
+within each warp, not from a reduction across its own warps. Where `dispatch.QK1_QUERY_REG_COLS` says so, warpgroup 0 keeps the query's rope and first latent
 columns in registers as the score wgmma's A operand, so it reads fewer query bytes from shared memory a tile.
 """
 
@@ -43,7 +44,8 @@ def _reinterpret(desc, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constex
 @aggregate
 class Qk1Exchange:
     """What warpgroup 0 hands warpgroup 1: each slot's rescale factors (`alpha_smem`, signalled by `p_bars` together
-    with p in the slot's rope columns) and, at the end, the row sums (`l_smem`, `l_bar`)."""
+    with p in the slot's rope columns) and, with `WARP_FLAGS`, whether each warp's rows moved their reference
+    (`moved_smem`, four int32 a slot); at the end, the row sums (`l_smem`, `l_bar`)."""
 
     alpha_smem: base_value
     l_smem: base_value

@@ -334,6 +334,34 @@ def test_launch_picks_the_query_columns_in_registers_by_form(heads, kv_fp8, spar
     assert form["QUERY_REG_COLS"] == cols, form
 
 
+@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,flags", [
+    (128, False, False, 64, True), (64, False, False, 128, True),   # the dense qk1 form on a 16-bit cache
+    (128, False, True, 64, False), (64, True, False, 64, False),    # sparse BF16, dense FP8: warpgroup 1 reduces
+])
+def test_launch_picks_the_per_warp_flags_by_form(heads, kv_fp8, sparse, batch, flags):
+    from mla_tune.backends.triton_mla.dispatch import hopper_constexprs
+    from mla_tune.backends.triton_mla.splits import default_params
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
+                            cc_major=9, num_sms=132, lengths=[4096] * batch)
+    assert params.kernel_form == "qk1", params
+    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["WARP_FLAGS"] is flags
+
+
+@pytest.mark.slow
+def test_warpgroup_1_reads_the_flags_without_a_barrier_of_its_own():
+    # with the flags, warpgroup 1 no longer reduces the rescale factors across its warps: fewer of its partition
+    # barriers (bar.sync 2) and fewer shuffles (how many fewer depends on Triton's version), and nothing spills
+    from offline_compile import hopper_compile
+
+    def counts(warp_flags):
+        ptx, _, report = hopper_compile(kv="bf16", qk1=True, WARP_FLAGS=warp_flags)
+        return ptx.count("bar.sync \t2, 128"), ptx.count("shfl.sync"), _spill_bytes(report)
+
+    (bars, shuffles, _), (flag_bars, flag_shuffles, spills) = counts(False), counts(True)
+    assert flag_bars < bars and flag_shuffles < shuffles and spills == 0, (bars, flag_bars, shuffles, flag_shuffles)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv,sparse,qk1,prefetches", [
     ("fp8", True, False, True), ("fp8", False, False, True), ("fp8", False, True, True), ("bf16", False, False, False)])
