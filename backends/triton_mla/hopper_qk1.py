@@ -10,8 +10,9 @@ shared memory). At the end warpgroup 0 hands over the row sums.
 The rescale is lazy: a row's reference max moves only when the tile's max exceeds it by more than LAZY_MAX_LOG2
 (exact either way: the sums use the same reference), and warpgroup 1 skips rescaling on tiles where no row's
 reference moved; where `dispatch.QK1_WARP_FLAGS_FORMS` says so it learns that from four flags warpgroup 0 reduces
-within each warp, not from a reduction across its own warps. Where `dispatch.QK1_QUERY_REG_COLS` says so, warpgroup 0 keeps the query's rope and first latent
-columns in registers as the score wgmma's A operand, so it reads fewer query bytes from shared memory a tile.
+within each warp, not from a reduction across its own warps. Where `dispatch.QK1_QUERY_REG_COLS` says so,
+warpgroup 0 keeps the query's rope and first latent columns in registers as the score wgmma's A operand, so it reads
+fewer query bytes from shared memory a tile.
 """
 
 # No `from __future__ import annotations`: the aggregates check their fields against real annotation types.
