@@ -142,6 +142,11 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 # warpgroup 1 reducing the rescale factors across its warps. H200 (qk1-h200.txt 7), bf16 dense at 128 heads 0.977-0.998
 # of the time (64 heads 0.99-1.02); sparse 1.00-1.02x slower, so dense only.
 QK1_WARP_FLAGS_FORMS = {("qk1", "16bit", "dense")}
+# The 16-bit forms whose loader copies whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors)
+# instead of every loader thread's `cp.async`, from this many packed query rows. H200 (qk1-h200.txt 9), bf16 dense,
+# batch 16-128, kv 4k-16k: 128 heads 0.978-0.997 of the time (12 of 12 shapes, uniform and ragged); 64 heads
+# 0.996-1.013, so from two row blocks.
+TMA_16BIT_MIN_ROWS = {("qk1", "16bit", "dense"): 65}
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
@@ -360,6 +365,16 @@ def staged_loaders(*, kv_fp8: bool, rows: int, sparse: bool, ds_mla: bool = Fals
     if not kv_fp8 or ds_mla or rows >= HOPPER_TOKEN_SPLIT_SHAPE.block_h:
         return 1
     return HOPPER_STAGED_LOADERS[sparse]
+
+
+def copies_by_tma(params: LaunchParams, *, kv_fp8: bool, sparse: bool, page_size: int, query_rows: int) -> bool:
+    """Whether the launch's loaders copy whole tiles by TMA where the cache allows it: the FP8-query forms
+    (FP8Q_TMA), and the 16-bit forms of TMA_16BIT_MIN_ROWS from their packed query rows (`q_len x heads`) where one
+    box takes a tile (with a box per page of 16 rows the loader spilled registers)."""
+    if params.fp8_query:
+        return FP8Q_TMA
+    min_rows = TMA_16BIT_MIN_ROWS.get((params.kernel_form, _kind(kv_fp8), "sparse" if sparse else "dense"))
+    return min_rows is not None and query_rows >= min_rows and page_size % params.block_n == 0
 
 
 def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles: int | None = None,

@@ -124,15 +124,17 @@ def _mla_hopper_kernel(
         full_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            # 16-bit: every loader thread arrives when its own copies land; FP8: one arrival per loader after its casts.
+            # 16-bit: every loader thread arrives when its own copies land (by TMA: one arrival, the bytes'); FP8: one
+            # arrival per loader after its casts.
             mbarrier.init(full_bars.index(i), count=(STAGED_LOADERS if N_ROWS < ROWS else 1) if KV_FP8
-                          else LOAD_WARPS * 32)
+                          else 1 if kv_lat_desc is not None else LOAD_WARPS * 32)
             mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
         ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
+        gl.static_assert(kv_lat_desc is None or (QK1 and not KV_FP8), "16-bit TMA copies: the qk1 form's loader")
         if N_ROWS < ROWS:
             _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
         elif QK1:
             _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
-                     WARP_FLAGS)
+                     WARP_FLAGS, kv_lat_desc, kv_rope_desc)
         else:
             _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

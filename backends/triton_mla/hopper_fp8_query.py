@@ -22,18 +22,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, KvSource, Program, Ring, _partition_barrier)
 from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
 from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
-
-
-# Triton 3.9 renamed shared_memory_descriptor._reinterpret to reinterpret
-_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-# and tma.async_copy_global_to_shared to async_load (a TMA copy of a descriptor's box into shared memory)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from mla_tune.backends.triton_mla.hopper_tma import tma_reads, tma_tile
 
 
 # The layout in which a loader reads each copied 128-column block back for its v^T: 4 tokens x 16 columns a thread,
@@ -78,68 +73,6 @@ def _next_rows(src: KvSource, t):
     """Row pointers and validity of tile `t` of the program's range, in `_COPY_LAYOUT`'s rows."""
     return _tile_rows(src.start + t * src.BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
                       src.stride_kvp, src.stride_kvt, _COPY_LAYOUT, src.BLOCK_N, src.PAGE_SIZE, src.SPARSE)
-
-
-@gluon.jit
-def tma_reads(src: KvSource, t):
-    """Whether tile `t` lies inside the program's range: TMA copies it (a partial tile's rows past the range are
-    zeroed by `cp.async`, so that no stale bytes meet p = 0 in `p @ v`)."""
-    return src.start + (t + 1) * src.BLOCK_N <= src.end
-
-
-@gluon.jit
-def _cache_row(src: KvSource, item, ok=None):
-    """The cache row of the program's item `item`, through its block-table row (with `ok`: 0 where it is False)."""
-    if ok is None:
-        page = gl.load(src.bt_row + item // src.PAGE_SIZE)
-    else:
-        page = gl.load(src.bt_row + item // src.PAGE_SIZE, mask=ok, other=0)
-    return page * src.PAGE_SIZE + item % src.PAGE_SIZE
-
-
-@gluon.jit
-def tile_row(src: KvSource, t):
-    """The cache row of tile `t`'s first token (0 for a tile past the program's range, which no copy reads), for a
-    TMA copy of one box a tile read ahead of it (`tma_tile`'s `first_row`)."""
-    return _cache_row(src, src.start + t * src.BLOCK_N, tma_reads(src, t))
-
-
-@gluon.jit
-def tma_tile(ring: Ring, src: KvSource, t, bar, lat_desc, rope_desc, BLOCK0: gl.constexpr = 0,
-             N_BLOCKS: gl.constexpr = 4, ROPE: gl.constexpr = True, first_row=None):
-    """Tile `t`'s rows by TMA into its slot, all completing `bar`: per page's rows (or the tile's,
-    for pages as long as a tile or longer) a box of latent column blocks `BLOCK0 .. BLOCK0 + N_BLOCKS - 1` (128
-    columns each; `[N_BLOCKS, rows, 128]`, a tile's rows; else one box per block) and, with `ROPE`, one of the rope;
-    `first_row`: the tile's cache row (`tile_row`), read before, where one box takes the tile."""
-    BOX: gl.constexpr = rope_desc.block_type.shape[0]
-    WHOLE: gl.constexpr = len(lat_desc.block_type.shape) == 3  # the column blocks of a tile's rows as one box
-    if WHOLE:
-        gl.static_assert(lat_desc.block_type.shape[0] == N_BLOCKS, "the descriptor's box takes N_BLOCKS blocks")
-    slot = t % ring.STAGES
-    mbarrier.expect(bar, src.BLOCK_N * (N_BLOCKS * 128 + (64 if ROPE else 0)))
-    n0 = src.start + t * src.BLOCK_N
-    for j in gl.static_range(src.BLOCK_N // BOX):
-        item = n0 + j * BOX
-        if first_row is None:
-            row = _cache_row(src, item)
-        else:
-            gl.static_assert(BOX == src.BLOCK_N, "first_row: one box takes the tile")
-            row = first_row
-        if WHOLE:
-            # the slot's bytes as [column block, row, 128]: the 128-byte swizzled [rows, 512] layout lies so
-            if _REINTERPRET:
-                blocks = ring.k_lat.index(slot).reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
-            else:
-                blocks = ring.k_lat.index(slot)._reinterpret(ring.k_lat.dtype, [4, BOX, 128], lat_desc.layout)
-            if N_BLOCKS < 4:
-                blocks = blocks.slice(BLOCK0, N_BLOCKS, dim=0)
-            _tma_load(lat_desc, [BLOCK0, row, 0], bar, blocks)
-        else:
-            rows_lat = ring.k_lat.index(slot).slice(j * BOX, BOX, dim=0)
-            for c in gl.static_range(BLOCK0, BLOCK0 + N_BLOCKS):
-                _tma_load(lat_desc, [row, c * 128], bar, rows_lat.slice(c * 128, 128, dim=1))
-        if ROPE:
-            _tma_load(rope_desc, [row, 512], bar, ring.k_rope.index(slot).slice(j * BOX, BOX, dim=0))
 
 
 @gluon.jit

@@ -20,7 +20,7 @@ the register file, so 16 warps, at most 128 registers each, cannot hold it besid
 
 Copies: where the launcher gives TMA descriptors, the scorer copies the first tile of each slot, and then each p @ v
 warpgroup, once its p @ v of tile t is done, copies its half of tile `t + slots` into that slot
-(`hopper_fp8_query.tma_tile`; where one box takes a tile, its block-table entry read an iteration before); a partial
+(`hopper_tma.tma_tile`; where one box takes a tile, its block-table entry read an iteration before); a partial
 last tile is the scorer's zero-filling `cp.async` copy. Otherwise the
 scorer copies every tile by `cp.async`, `slots - 1` ahead.
 
@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla_tune.backends.triton_mla.hopper_common import (
     ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _partition_barrier, _rows, _store_lse, _store_query_e4m3,
     _tile_positions)
-from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows, tile_row, tma_reads, tma_tile
+from mla_tune.backends.triton_mla.hopper_fp8_query import _fp8q_copy, _next_rows
+from mla_tune.backends.triton_mla.hopper_tma import tile_row, tma_reads, tma_tile
 
 P_BUFFERS = gl.constexpr(2)
 P_LOG2_SCALE = gl.constexpr(8.0)  # p is rounded as 2^8 p: down to 2^-14 it stays a normal e4m3 value

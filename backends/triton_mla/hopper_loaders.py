@@ -15,7 +15,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
 from mla_tune.backends.problem import DS_MLA_BYTES
-from mla_tune.backends.triton_mla.hopper_common import LOAD_WARPS, KvSource, Ring, _async_load, _tile_positions
+from mla_tune.backends.triton_mla.hopper_common import (
+    LOAD_WARPS, KvSource, Ring, _async_load, _partition_barrier, _tile_positions)
+from mla_tune.backends.triton_mla.hopper_tma import tma_reads, tma_tile
 
 DS_MLA_WORDS = gl.constexpr(DS_MLA_BYTES // 4)  # one fp8_ds_mla row in 32-bit words: 128 e4m3, 4 scales, 32 RoPE
 DS_MLA_MAX_SCALE = gl.constexpr(146.0)  # 448 x 146 = 65408: the largest group scale whose values fp16 holds
@@ -146,7 +148,7 @@ def _load_fp8_ahead(src: KvSource, ring: Ring, PREFETCH: gl.constexpr):
 
 @gluon.jit
 def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1,
-                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False, AHEAD: gl.constexpr = False, lat_desc=None, rope_desc=None):
     """A loader warpgroup: fills ring slot `t % STAGES` with tile `t` once the MMA warps freed it, for tiles
     `FIRST, FIRST + STRIDE, ...` (with `STRIDE` loaders, each has its own tiles and their chains overlap).
 
@@ -156,8 +158,13 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
     a barrier between the chunk stores, which would otherwise hold each chunk's load back until the previous chunk is
     stored), then cast to fp16 and stored while the MMA warps work on the other slot. With `PREFETCH` (FP8) it asks
     the L2 for the next tile's lines before it waits for that tile's slot; with `AHEAD` (FP8) it loads the next
-    tile's bytes before the wait instead (`_load_fp8_ahead`).
+    tile's bytes before the wait instead (`_load_fp8_ahead`). With the launcher's descriptors (16-bit, one loader):
+    `_load_tma`.
     """
+    if lat_desc is not None:
+        gl.static_assert(FIRST == 0 and STRIDE == 1 and not src.KV_FP8, "TMA: one loader, a 16-bit cache")
+        _load_tma(src, ring, lat_desc, rope_desc)
+        return
     if src.DS_MLA:
         _load_ds_mla(src, ring, FIRST, STRIDE, PREFETCH)
         return
@@ -193,6 +200,29 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
         if PREFETCH and src.KV_FP8:
             if t + STRIDE < src.n_tiles:
                 _prefetch_rows(row, ok, src.kv_ptr)  # the next tile's lines, while this loader waits for a slot
+
+
+@gluon.jit
+def _load_tma(src: KvSource, ring: Ring, lat_desc, rope_desc):
+    """The 16-bit loader by TMA: once a slot is free, a tile inside the program's range is copied into it by one
+    thread (`hopper_tma.tma_tile`, completing the slot's barrier, whose one arrival is that thread's byte count); the
+    partial last tile by every thread's `cp.async`, its rows past the range zeroed, then one arrival once all landed.
+    """
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    for t in range(src.n_tiles):
+        slot = t % ring.STAGES
+        mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)
+        if tma_reads(src, t):
+            tma_tile(ring, src, t, ring.full_bars.index(slot), lat_desc, rope_desc)
+        else:
+            row, ok = _tile_rows(src.start + t * src.BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row,
+                                 src.kv_ptr, src.stride_kvp, src.stride_kvt, layout, src.BLOCK_N, src.PAGE_SIZE,
+                                 src.SPARSE)
+            _copy_tile(ring.k_lat.index(slot), ring.k_rope.index(slot), row, ok, layout)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            _partition_barrier()
+            mbarrier.arrive(ring.full_bars.index(slot))
 
 
 @gluon.jit

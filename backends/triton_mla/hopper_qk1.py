@@ -27,19 +27,9 @@ from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _load_query, _round_pairs, _rows,
     _store_query, _tile_positions)
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition
+from mla_tune.backends.triton_mla.hopper_tma import _reinterpret
 
 LAZY_MAX_LOG2 = gl.constexpr(8.0)  # p stays below 2^8, well inside fp16/bf16 range
-# Triton 3.9 made shared_memory_descriptor._reinterpret public as reinterpret
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
-
-@gluon.jit
-def _reinterpret(desc, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
-    """`desc` seen as a `[rows, cols]` tile of `dtype` in `layout`, under either name Triton gives it."""
-    if _PUBLIC_REINTERPRET:
-        return desc.reinterpret(dtype, [rows, cols], layout)
-    else:
-        return desc._reinterpret(dtype, [rows, cols], layout)
 
 
 @aggregate
@@ -143,7 +133,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     p = gl.exp2(scores - m_safe[:, None])
     p = _round_pairs(p, kl.dtype)
     l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)  # the sums of the rounded p that `p @ v` multiplies
-    _reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, BLOCK_N, p_smem_layout).store(p)
+    _reinterpret(ring.k_rope.index(slot), kl.dtype, [ROWS, BLOCK_N], p_smem_layout).store(p)
     exch.alpha_smem.index(slot).store(alpha)
     if WARP_FLAGS:  # whether any of each warp's 16 rows moved its reference: a reduction within the warp
         exch.moved_smem.index(slot).store(gl.max(gl.reshape(gl.where(alpha < 1.0, 1, 0), [4, 16]), 1))
@@ -204,7 +194,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, WARP_FLAGS: gl.con
                 acc = acc * alpha[:, None]
         elif gl.min(alpha, 0) < 1.0:  # some row's reference moved
             acc = acc * alpha[:, None]
-        acc = warpgroup_mma(_reinterpret(ring.k_rope.index(slot), kl.dtype, ROWS, prog.BLOCK_N, p_smem_layout),
+        acc = warpgroup_mma(_reinterpret(ring.k_rope.index(slot), kl.dtype, [ROWS, prog.BLOCK_N], p_smem_layout),
                             kl.slice(256, 256, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
@@ -216,9 +206,10 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, WARP_FLAGS: gl.con
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, WARP_FLAGS: gl.constexpr = False):
+             LOAD_REGS: gl.constexpr, WARP_FLAGS: gl.constexpr = False, lat_desc=None, rope_desc=None):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
-    workers (`MMA_REGS` and `LOAD_REGS` registers a thread)."""
+    workers (`MMA_REGS` and `LOAD_REGS` registers a thread; with the launcher's descriptors the loader copies by
+    TMA)."""
     alpha_smem = gl.allocate_shared_memory(gl.float32, [ring.STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     l_smem = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_bars = gl.allocate_shared_memory(gl.int64, [ring.STAGES, 1], mbarrier.MBarrierLayout())
@@ -231,5 +222,5 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     gl.warp_specialize([
         (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, WARP_FLAGS)),
         (_qk1_second, (ring, exch, prog, WARP_FLAGS)),
-        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
+        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, lat_desc, rope_desc))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

@@ -203,8 +203,10 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
     form = hopper_constexprs(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn, sparse=common["SPARSE"],
                              tiles=tiles, kv_words=kv_cache_in_words(kv_cache), ds_mla=ds_mla,
                              query_rows=q.shape[1] * q.shape[2])
-    descriptors = (kv_descriptors(kv_cache, params.block_n, col_blocks=tma_col_blocks(params))
-                   if params.fp8_query and dispatch.FP8Q_TMA else None)
+    by_tma = dispatch.copies_by_tma(params, kv_fp8=kv_cache.dtype == torch.float8_e4m3fn or ds_mla,
+                                    sparse=common["SPARSE"], page_size=kv_cache.shape[1],
+                                    query_rows=q.shape[1] * q.shape[2])
+    descriptors = kv_descriptors(kv_cache, params.block_n, col_blocks=tma_col_blocks(params)) if by_tma else None
     if descriptors is not None:
         form.update(kv_lat_desc=descriptors[0], kv_rope_desc=descriptors[1])
     if q_amax is not None:
@@ -213,34 +215,43 @@ def _launch_hopper(args: tuple, grid: tuple, common: dict, *, q, kv_cache, param
                                            maxnreg=HOPPER_MAXNREG)
 
 
-def tma_col_blocks(params: LaunchParams) -> int:
-    """The 128-column latent blocks one TMA box of a tile takes: half of them in the wide FP8-query form (each p @ v
-    warpgroup copies its half), all four in the narrow one."""
-    return 2 if params.kernel_form == "fp8_query_wide" else 4
+def tma_col_blocks(params: LaunchParams) -> int | None:
+    """The 128-byte latent column blocks one TMA box of a tile takes: half of the four e4m3 ones in the wide
+    FP8-query form (each p @ v warpgroup copies its half), all of them (None) elsewhere."""
+    return 2 if params.kernel_form == "fp8_query_wide" else None
 
 
-def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int = 4) -> tuple | None:
-    """TMA descriptors (latent, rope) of an e4m3 cache's rows as one `[pages x page_size, 576]` matrix: boxes of a
-    page's rows (a tile's, for pages as long or longer) by the 64 rope columns, and by 128 latent columns or, a
-    tile's rows, by `col_blocks` blocks of 128 as `[col_blocks, rows, 128]` (the 128-byte swizzled slot's byte order;
-    2 for the wide form, whose p @ v warpgroups copy half the columns each); None where TMA cannot
-    read it that way: pages not back to back, rows not 16-byte aligned, pages other than a multiple of 8 rows that
-    divides a tile or is divided by it."""
+def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int | None = None) -> tuple | None:
+    """TMA descriptors (latent, rope) of an e4m3 or 16-bit cache's rows as one `[pages x page_size, 576]` matrix:
+    boxes of a page's rows (a tile's, for pages as long or longer) by the 64 rope columns, and by a 128-byte block
+    of latent columns (128 e4m3 or 64 16-bit ones) or, a tile's rows, by `col_blocks` such blocks (None: all) as
+    `[col_blocks, rows, 128 bytes]` (the 128-byte swizzled slot's byte order; half the e4m3 blocks for the wide
+    form, whose p @ v warpgroups copy half the columns each); None where TMA cannot read it that way: pages not
+    back to back, rows not 16-byte aligned, pages other than a multiple of 8 rows that divides a tile or is divided
+    by it."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[
+        kv_cache.dtype]
     pages, page_size, width = kv_cache.shape
+    element_bytes = kv_cache.element_size()
     box = min(page_size, block_n)
-    if (kv_cache.stride(2) != 1 or kv_cache.stride(0) != page_size * kv_cache.stride(1) or kv_cache.stride(1) % 16
-            or kv_cache.data_ptr() % 16 or box % 8 or max(page_size, block_n) % box):
+    if (kv_cache.stride(2) != 1 or kv_cache.stride(0) != page_size * kv_cache.stride(1)
+            or kv_cache.stride(1) * element_bytes % 16 or kv_cache.data_ptr() % 16 or box % 8
+            or max(page_size, block_n) % box):
         return None
     rows, row_stride = pages * page_size, kv_cache.stride(1)
+    block_cols = 128 // element_bytes
+    all_blocks = (width - 64) // block_cols
     rope = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 64],
-                            gl.NVMMASharedLayout.get_default_for([box, 64], gl.float8e4nv))
-    if box == block_n:  # a tile's 512 latent columns as one [column block, row, 128] box
-        lat = TensorDescriptor(kv_cache, [4, rows, 128], [128, row_stride, 1], [col_blocks, box, 128],
-                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+                            gl.NVMMASharedLayout.get_default_for([box, 64], dtype))
+    if box == block_n:  # a tile's 512 latent columns as one [column block, row, 128 bytes] box
+        lat = TensorDescriptor(kv_cache, [all_blocks, rows, block_cols], [block_cols, row_stride, 1],
+                               [col_blocks or all_blocks, box, block_cols],
+                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * element_bytes,
+                                                    rank=3))
     else:
-        lat = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 128],
-                               gl.NVMMASharedLayout.get_default_for([box, 128], gl.float8e4nv))
+        lat = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, block_cols],
+                               gl.NVMMASharedLayout.get_default_for([box, block_cols], dtype))
     return lat, rope

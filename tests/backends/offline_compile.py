@@ -50,23 +50,26 @@ def _order_pointer(const: dict, pointers: dict) -> None:
 
 
 def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool,
-                    col_blocks: int = 4) -> None:
-    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes) with `tma`, else the None the launcher
-    passes."""
+                    col_blocks: int | None = None, kv_type: str = "fp8e4nv") -> None:
+    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes; `kv_type`: its element type as a
+    signature names it) with `tma`, else the None the launcher passes."""
     if not tma:
         const.update(kv_lat_desc=None, kv_rope_desc=None)
         return
     from triton.experimental.gluon import language as gl
 
+    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16}[kv_type]
+    block_cols = 128 // (dtype.primitive_bitwidth // 8)
     box = min(page_size, block_n)
-    rope = gl.NVMMASharedLayout.get_default_for([box, 64], gl.float8e4nv)
-    pointers["kv_rope_desc"] = f"tensordesc<fp8e4nv[{box}, 64],{rope!r}>"
+    rope = gl.NVMMASharedLayout.get_default_for([box, 64], dtype)
+    pointers["kv_rope_desc"] = f"tensordesc<{kv_type}[{box}, 64],{rope!r}>"
     if box == block_n:
-        lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-        pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[{col_blocks}, {box}, 128],{lat!r}>"
+        lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=3)
+        blocks = col_blocks or 512 // block_cols
+        pointers["kv_lat_desc"] = f"tensordesc<{kv_type}[{blocks}, {box}, {block_cols}],{lat!r}>"
     else:
-        lat = gl.NVMMASharedLayout.get_default_for([box, 128], gl.float8e4nv)
-        pointers["kv_lat_desc"] = f"tensordesc<fp8e4nv[{box}, 128],{lat!r}>"
+        lat = gl.NVMMASharedLayout.get_default_for([box, block_cols], dtype)
+        pointers["kv_lat_desc"] = f"tensordesc<{kv_type}[{box}, {block_cols}],{lat!r}>"
 
 
 def kernel_ptx(*, block_h: int, block_n: int, num_warps: int, num_stages: int, fp8: bool = True, arch: int = 90,
@@ -116,8 +119,8 @@ def round_query_ptx(*, arch: int = 90, **flags) -> str:
 def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, page_size: int = 64, rows: int = 64,
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
-    (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile, `TMA_KV=True` with
-    it: its TMA copies; `ROUNDED_QUERY`: its query rounded before the launch or not, instead of as the dispatch
+    (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile; `TMA_KV=True`: the
+    TMA copies, given the launcher's descriptors; `ROUNDED_QUERY`: its query rounded before the launch or not, instead of as the dispatch
     says), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs `dispatch.hopper_constexprs` gives a
     one-split launch, then `overrides`."""
     import subprocess
@@ -156,7 +159,7 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     else:
         const["q_amax_ptr"] = None
     _order_pointer(const, pointers)
-    _kv_descriptors(const, pointers, params.block_n, page_size, tma, tma_col_blocks(params))
+    _kv_descriptors(const, pointers, params.block_n, page_size, tma, tma_col_blocks(params), pointers["kv_ptr"][1:])
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     # a descriptor takes no pointer's divisibility
     descriptors = ("kv_lat_desc", "kv_rope_desc")

@@ -362,6 +362,52 @@ def test_warpgroup_1_reads_the_flags_without_a_barrier_of_its_own():
     assert flag_bars < bars and flag_shuffles < shuffles and spills == 0, (bars, flag_bars, shuffles, flag_shuffles)
 
 
+def test_kv_descriptors_of_a_16bit_cache_take_a_tiles_rows_in_128_byte_blocks():
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mla_tune.backends.triton_mla.launcher import kv_descriptors
+
+    lat, rope = kv_descriptors(torch.zeros(10, 64, 576, dtype=torch.bfloat16), 64)
+    # eight blocks of 64 columns, as the 128-byte swizzled bf16 slot lies; the rope one 128-byte box a row
+    assert (lat.shape, lat.strides, lat.block_shape) == ([8, 640, 64], [64, 576, 1], [8, 64, 64])
+    assert (rope.shape, rope.block_shape) == ([640, 576], [64, 64])
+    assert lat.layout.element_bitwidth == 16 and rope.layout.swizzle_byte_width == 128
+    lat, rope = kv_descriptors(torch.zeros(10, 128, 576, dtype=torch.float16), 64)  # a tile is half a page
+    assert (lat.shape, lat.block_shape) == ([8, 1280, 64], [8, 64, 64])
+    assert kv_descriptors(torch.zeros(10, 64, 577, dtype=torch.bfloat16)[:, :, 1:], 64) is None  # rows 2 bytes off
+
+
+@pytest.mark.parametrize("heads,q_len,kv_fp8,sparse,batch,page_size,tma", [
+    (128, 1, False, False, 64, 64, True), (64, 2, False, False, 64, 128, True),  # dense qk1, 16-bit, 2 row blocks
+    (64, 1, False, False, 128, 64, False),   # one row block (measured slower by TMA)
+    (128, 1, False, False, 64, 16, False),   # a tile over four pages: every loader thread's cp.async
+    (128, 1, False, True, 64, 64, False), (128, 1, True, False, 64, 64, False),  # sparse BF16 (gathers), FP8 (casts)
+])
+def test_launch_copies_16bit_tiles_by_tma_by_form(heads, q_len, kv_fp8, sparse, batch, page_size, tma):
+    from mla_tune.backends.triton_mla.dispatch import copies_by_tma
+    from mla_tune.backends.triton_mla.splits import default_params
+
+    params = default_params(num_heads=heads, q_len=q_len, batch=batch, max_items=4096, sparse=sparse,
+                            kv_fp8=kv_fp8, cc_major=9, num_sms=132, lengths=[4096] * batch)
+    assert params.kernel_form == "qk1", params
+    rows = heads if sparse else heads * q_len
+    assert copies_by_tma(params, kv_fp8=kv_fp8, sparse=sparse, page_size=page_size, query_rows=rows) is tma
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_the_qk1_loader_copies_whole_16bit_tiles_by_tma(page_size):
+    # one 3-d box of the latent blocks and one 2-d box of the rope a tile, issued by one thread, instead of 36
+    # cp.async a thread; the partial last tile still by cp.async (zeros past the range); nothing spills
+    from offline_compile import hopper_compile
+
+    ptx, smem, report = hopper_compile(kv="bf16", qk1=True, TMA_KV=True, page_size=page_size)
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx)
+    assert sorted(copies) == ["2", "3"] and "cp.async.cg.shared.global" in ptx, copies
+    assert "cp.async.mbarrier.arrive" not in ptx and _spill_bytes(report) == 0 and smem <= SMEM_LIMIT, report
+    plain, _, _ = hopper_compile(kv="bf16", qk1=True, page_size=page_size)
+    assert "cp.async.bulk.tensor" not in plain and "cp.async.mbarrier.arrive" in plain
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv,sparse,qk1,prefetches", [
     ("fp8", True, False, True), ("fp8", False, False, True), ("fp8", False, True, True), ("bf16", False, False, False)])
