@@ -12,7 +12,8 @@ The rescale is lazy: a row's reference max moves only when the tile's max exceed
 reference moved; where `dispatch.QK1_WARP_FLAGS_FORMS` says so it learns that from four flags warpgroup 0 reduces
 within each warp, not from a reduction across its own warps. Where `dispatch.QK1_QUERY_REG_COLS` says so,
 warpgroup 0 keeps the query's rope and first latent columns in registers as the score wgmma's A operand, so it reads
-fewer query bytes from shared memory a tile.
+fewer query bytes from shared memory a tile. The loader is `hopper_loaders._load_partition`'s (by TMA where the
+launcher gives the cache's descriptors: `dispatch.copies_by_tma`).
 """
 
 # No `from __future__ import annotations`: the aggregates check their fields against real annotation types.
