@@ -103,7 +103,7 @@ def launch_builds(problem: Problem, params, *, kv_len: int, table_stride: int | 
     row read by every request, our vLLM backend's sparse launch); `kv_scale_is_ptr`: the FP8 scale is a tensor (our
     vLLM backends pass vLLM's k_scale), not a float."""
     from mla_tune.backends.triton_mla.config import LAUNCH_FIELDS
-    from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, hopper_constexprs
+    from mla_tune.backends.triton_mla.dispatch import COMBINE_SPLITS_AT_ONCE, copies_by_tma, hopper_constexprs
     from mla_tune.backends.triton_mla.launcher import split_extent
 
     heads, q_len, head = problem.num_heads, problem.q_len, problem.geometry.head_size
@@ -121,10 +121,14 @@ def launch_builds(problem: Problem, params, *, kv_len: int, table_stride: int | 
     fixed = tuple((name, getattr(params, name)) for name in LAUNCH_FIELDS if name not in ("num_splits", "split_items"))
     form = None
     if params.warp_specialized:
+        fp8 = problem.kv_cache_dtype in ("fp8_e4m3", "fp8_ds_mla")
         form = tuple(sorted(hopper_constexprs(params, kv_fp8=problem.kv_cache_dtype == "fp8_e4m3",
                                               sparse=problem.sparse, tiles=tiles,
                                               ds_mla=problem.kv_cache_dtype == "fp8_ds_mla",
                                               query_rows=rows).items()))
+        # whether the launch passes the cache's TMA descriptors, as it does over the tuner's contiguous caches
+        form += (("TMA", copies_by_tma(params, kv_fp8=fp8, sparse=problem.sparse, page_size=problem.page_size,
+                                       query_rows=rows)),)
     # With several splits stage 1 writes float32 partials, with one the output in the query's dtype.
     stage1 = ("stage1", problem.kv_cache_dtype, problem.query_dtype, q_len, problem.page_size, problem.sparse,
               splits > 1, kv_scale_is_ptr, fixed, form, ints)
