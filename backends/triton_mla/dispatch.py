@@ -134,7 +134,8 @@ L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "d
                      ("qk1", "fp8", "sparse")}
 # Forms whose FP8 loader loads the next tile before it waits for its slot -> the most tiles a program may have.
 LOADER_AHEAD_FORMS = {("qk1", "fp8", "sparse"): None, ("qk1", "fp8", "dense"): 8}
-# Whether the MMA warps fence an FP8 slot again after its loader fenced its own stores.
+# Whether the MMA warps fence a slot again after its loader fenced it: an FP8 loader's stores, a 16-bit TMA loader's
+# partial tile (its TMA copies need no fence).
 HOPPER_CONSUMER_FENCE = False
 # Query columns (rope first) that the qk1 form's scoring warpgroup keeps in registers, by form.
 QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}

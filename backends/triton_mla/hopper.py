@@ -91,8 +91,9 @@ def _mla_hopper_kernel(
     qk_scale = sm_scale_log2 * kv_scale
     if KV_FP8 and not FP8_QUERY:
         qk_scale = qk_scale / q_scale  # the query was scaled by q_scale before its fp16 rounding
-    # The MMA warps fence a full slot for wgmma after cp.async (16-bit); FP8 loaders fence their own stores.
-    FENCE_SLOTS: gl.constexpr = CONSUMER_FENCE or not KV_FP8
+    # The MMA warps fence a full slot for wgmma after cp.async (16-bit); FP8 loaders fence their own stores, and the
+    # 16-bit TMA loader writes through the async proxy (its partial tile's cp.async it fences itself).
+    FENCE_SLOTS: gl.constexpr = CONSUMER_FENCE or (not KV_FP8 and kv_lat_desc is None)
     prog = Program(o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                    qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
                    stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, q_amax_ptr, Q_LEN, SPARSE, N_ROWS,

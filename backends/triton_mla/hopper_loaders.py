@@ -206,7 +206,8 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
 def _load_tma(src: KvSource, ring: Ring, lat_desc, rope_desc):
     """The 16-bit loader by TMA: once a slot is free, a tile inside the program's range is copied into it by one
     thread (`hopper_tma.tma_tile`, completing the slot's barrier, whose one arrival is that thread's byte count); the
-    partial last tile by every thread's `cp.async`, its rows past the range zeroed, then one arrival once all landed.
+    partial last tile by every thread's `cp.async`, its rows past the range zeroed, fenced for wgmma by this loader,
+    then one arrival once all landed.
     """
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
     for t in range(src.n_tiles):
@@ -221,6 +222,7 @@ def _load_tma(src: KvSource, ring: Ring, lat_desc, rope_desc):
             _copy_tile(ring.k_lat.index(slot), ring.k_rope.index(slot), row, ok, layout)
             async_copy.commit_group()
             async_copy.wait_group(0)
+            fence_async_shared()  # the MMA warps do not fence the slot: the TMA copies need no fence
             _partition_barrier()
             mbarrier.arrive(ring.full_bars.index(slot))
 

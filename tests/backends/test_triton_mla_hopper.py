@@ -406,6 +406,11 @@ def test_the_qk1_loader_copies_whole_16bit_tiles_by_tma(page_size):
     assert "cp.async.mbarrier.arrive" not in ptx and _spill_bytes(report) == 0 and smem <= SMEM_LIMIT, report
     plain, _, _ = hopper_compile(kv="bf16", qk1=True, page_size=page_size)
     assert "cp.async.bulk.tensor" not in plain and "cp.async.mbarrier.arrive" in plain
+    # TMA writes through the async proxy: neither MMA warpgroup fences a slot (the loader fences its cp.async tile),
+    # unless HOPPER_CONSUMER_FENCE asks them to
+    fenced, _, _ = hopper_compile(kv="bf16", qk1=True, page_size=page_size, TMA_KV=True, CONSUMER_FENCE=True)
+    fences = [text.count("fence.proxy.async") for text in (ptx, plain, fenced)]
+    assert fences[0] < fences[1] < fences[2], fences
 
 
 @pytest.mark.slow
