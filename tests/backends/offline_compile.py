@@ -120,9 +120,9 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
                    qk1: bool = False, **overrides) -> tuple[str, int, str]:
     """(PTX, shared-memory bytes, ptxas -v report) of the warp-specialised kernel for sm_90a, `rows` per program
     (`qk1`: the qk1 form; `FP8_QUERY=True` among the overrides: the FP8-query backend's tile; `TMA_KV=True`: the
-    TMA copies, given the launcher's descriptors; `ROUNDED_QUERY`: its query rounded before the launch or not, instead of as the dispatch
-    says), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs `dispatch.hopper_constexprs` gives a
-    one-split launch, then `overrides`."""
+    TMA copies, given the launcher's descriptors; `ROUNDED_QUERY`: its query rounded before the launch or not,
+    instead of as the dispatch says), `kv` one of bf16, fp16, fp8 and fp8_ds_mla, with the constexprs
+    `dispatch.hopper_constexprs` gives a one-split launch, then `overrides`."""
     import subprocess
     import tempfile
 
