@@ -3,7 +3,7 @@ the query's rounding first). No allocation, no sync."""
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import torch
 import triton
@@ -229,11 +229,6 @@ def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int | None 
     form, whose p @ v warpgroups copy half the columns each); None where TMA cannot read it that way: pages not
     back to back, rows not 16-byte aligned, pages other than a multiple of 8 rows that divides a tile or is divided
     by it."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[
-        kv_cache.dtype]
     pages, page_size, width = kv_cache.shape
     element_bytes = kv_cache.element_size()
     box = min(page_size, block_n)
@@ -244,14 +239,27 @@ def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int | None 
     rows, row_stride = pages * page_size, kv_cache.stride(1)
     block_cols = 128 // element_bytes
     all_blocks = (width - 64) // block_cols
-    rope = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, 64],
-                            gl.NVMMASharedLayout.get_default_for([box, 64], dtype))
+    descriptor, lat_layout, rope_layout = _tma_layouts(kv_cache.dtype, box, box == block_n)
+    rope = descriptor(kv_cache, [rows, width], [row_stride, 1], [box, 64], rope_layout)
     if box == block_n:  # a tile's 512 latent columns as one [column block, row, 128 bytes] box
-        lat = TensorDescriptor(kv_cache, [all_blocks, rows, block_cols], [block_cols, row_stride, 1],
-                               [col_blocks or all_blocks, box, block_cols],
-                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * element_bytes,
-                                                    rank=3))
+        lat = descriptor(kv_cache, [all_blocks, rows, block_cols], [block_cols, row_stride, 1],
+                         [col_blocks or all_blocks, box, block_cols], lat_layout)
     else:
-        lat = TensorDescriptor(kv_cache, [rows, width], [row_stride, 1], [box, block_cols],
-                               gl.NVMMASharedLayout.get_default_for([box, block_cols], dtype))
+        lat = descriptor(kv_cache, [rows, width], [row_stride, 1], [box, block_cols], lat_layout)
     return lat, rope
+
+
+@cache
+def _tma_layouts(kv_dtype: torch.dtype, box: int, whole_tile: bool) -> tuple:
+    """(TensorDescriptor, latent box layout, rope box layout) of `kv_descriptors`: made once per kind of box, since
+    making them costs about as much host time as the descriptors themselves."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[kv_dtype]
+    block_cols = 1024 // dtype.primitive_bitwidth  # 128 bytes
+    if whole_tile:
+        lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=3)
+    else:
+        lat = gl.NVMMASharedLayout.get_default_for([box, block_cols], dtype)
+    return TensorDescriptor, lat, gl.NVMMASharedLayout.get_default_for([box, 64], dtype)
