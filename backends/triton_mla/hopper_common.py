@@ -27,6 +27,19 @@ _GL_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
+# Triton 3.9 made shared_memory_descriptor._reinterpret public as reinterpret
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _reinterpret(desc, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """`desc`'s bytes seen as a `shape` tile of `dtype` in `layout`, under either name Triton gives it."""
+    if _PUBLIC_REINTERPRET:
+        return desc.reinterpret(dtype, shape, layout)
+    else:
+        return desc._reinterpret(dtype, shape, layout)
+
+
 @gluon.jit
 def _partition_barrier():
     """The partition's threads meet, under either name Triton gives the barrier."""

@@ -21,6 +21,8 @@ from mla_tune.backends.triton_mla.hopper_tma import tma_reads, tma_tile
 
 DS_MLA_WORDS = gl.constexpr(DS_MLA_BYTES // 4)  # one fp8_ds_mla row in 32-bit words: 128 e4m3, 4 scales, 32 RoPE
 DS_MLA_MAX_SCALE = gl.constexpr(146.0)  # 448 x 146 = 65408: the largest group scale whose values fp16 holds
+# A 16-bit tile's cp.async copies: 8 values (16 bytes) a thread, a warp four 128-byte row segments at a time
+_COPY_16BIT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS.value, 1], [1, 0]))
 
 
 @gluon.jit
@@ -175,7 +177,7 @@ def _load_partition(src: KvSource, ring: Ring, FIRST: gl.constexpr = 0, STRIDE: 
     if src.KV_FP8:
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOAD_WARPS, 1], [1, 0])
     else:
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+        layout: gl.constexpr = _COPY_16BIT_LAYOUT
     BLOCK_N: gl.constexpr = src.BLOCK_N
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
     row, ok = _tile_rows(src.start + FIRST * BLOCK_N, src.end, src.seq_len, src.topk_row, src.bt_row, src.kv_ptr,
@@ -209,7 +211,7 @@ def _load_tma(src: KvSource, ring: Ring, lat_desc, rope_desc):
     partial last tile by every thread's `cp.async`, its rows past the range zeroed, fenced for wgmma by this loader,
     then one arrival once all landed.
     """
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    layout: gl.constexpr = _COPY_16BIT_LAYOUT
     for t in range(src.n_tiles):
         slot = t % ring.STAGES
         mbarrier.wait(ring.empty_bars.index(slot), ((t // ring.STAGES) & 1) ^ 1)

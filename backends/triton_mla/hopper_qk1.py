@@ -25,10 +25,9 @@ from triton.language.core import _aggregate as aggregate
 from triton.language.core import base_value
 
 from mla_tune.backends.triton_mla.hopper_common import (
-    LOAD_WARPS, ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _load_query, _round_pairs, _rows,
-    _store_query, _tile_positions)
+    LOAD_WARPS, ROWS, KvSource, Program, Ring, _epilogue, _full_slot, _load_query, _reinterpret, _round_pairs,
+    _rows, _store_query, _tile_positions)
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition
-from mla_tune.backends.triton_mla.hopper_tma import _reinterpret
 
 LAZY_MAX_LOG2 = gl.constexpr(8.0)  # p stays below 2^8, well inside fp16/bf16 range
 

@@ -13,21 +13,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from mla_tune.backends.triton_mla.hopper_common import KvSource, Ring
+from mla_tune.backends.triton_mla.hopper_common import KvSource, Ring, _reinterpret
 
-# Triton 3.9 renamed shared_memory_descriptor._reinterpret to reinterpret
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-# and tma.async_copy_global_to_shared to async_load (a TMA copy of a descriptor's box into shared memory)
+# Triton 3.9 renamed tma.async_copy_global_to_shared to async_load (a TMA copy of a descriptor's box into shared
+# memory)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.jit
-def _reinterpret(desc, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    """`desc`'s bytes seen as a `shape` tile of `dtype` in `layout`, under either name Triton gives it."""
-    if _PUBLIC_REINTERPRET:
-        return desc.reinterpret(dtype, shape, layout)
-    else:
-        return desc._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit

@@ -251,8 +251,8 @@ def kv_descriptors(kv_cache: torch.Tensor, block_n: int, col_blocks: int | None 
 
 @cache
 def _tma_layouts(kv_dtype: torch.dtype, box: int, whole_tile: bool) -> tuple:
-    """(TensorDescriptor, latent box layout, rope box layout) of `kv_descriptors`: made once per kind of box, since
-    making them costs about as much host time as the descriptors themselves."""
+    """(TensorDescriptor, latent box layout, rope box layout) of `kv_descriptors`, made once per kind of box: made
+    at every launch, they took most of its host time (bench/results/qk1-h200.txt 13)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

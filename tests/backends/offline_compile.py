@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -51,24 +52,22 @@ def _order_pointer(const: dict, pointers: dict) -> None:
 
 def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool,
                     col_blocks: int | None = None, kv_type: str = "fp8e4nv") -> None:
-    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes; `kv_type`: its element type as a
-    signature names it) with `tma`, else the None the launcher passes."""
+    """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes and layouts; `kv_type`: its element type
+    as a signature names it) with `tma`, else the None the launcher passes."""
     if not tma:
         const.update(kv_lat_desc=None, kv_rope_desc=None)
         return
-    from triton.experimental.gluon import language as gl
+    from mla_tune.backends.triton_mla.launcher import _tma_layouts
 
-    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16}[kv_type]
-    block_cols = 128 // (dtype.primitive_bitwidth // 8)
+    dtype = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}[kv_type]
+    block_cols = 128 // dtype.itemsize
     box = min(page_size, block_n)
-    rope = gl.NVMMASharedLayout.get_default_for([box, 64], dtype)
+    _, lat, rope = _tma_layouts(dtype, box, box == block_n)
     pointers["kv_rope_desc"] = f"tensordesc<{kv_type}[{box}, 64],{rope!r}>"
     if box == block_n:
-        lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=3)
         blocks = col_blocks or 512 // block_cols
         pointers["kv_lat_desc"] = f"tensordesc<{kv_type}[{blocks}, {box}, {block_cols}],{lat!r}>"
     else:
-        lat = gl.NVMMASharedLayout.get_default_for([box, block_cols], dtype)
         pointers["kv_lat_desc"] = f"tensordesc<{kv_type}[{box}, {block_cols}],{lat!r}>"
 
 
