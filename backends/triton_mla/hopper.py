@@ -60,7 +60,7 @@ def _mla_hopper_kernel(
     ROW_AHEAD: gl.constexpr = False, WARP_FLAGS: gl.constexpr = False,
     HALF_ROWS: gl.constexpr = False, F16_SUMS: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, q_amax_ptr=None,
-    LAUNCH_COMBINE_EARLY: gl.constexpr = False, QUERY_COPY: gl.constexpr = False,
+    LAUNCH_COMBINE_EARLY: gl.constexpr = False,
 ):
     if LAUNCH_COMBINE_EARLY:  # the combine (its programmatic dependent) may start as SMs free up
         gdc_launch_dependents()
@@ -97,7 +97,7 @@ def _mla_hopper_kernel(
     prog = Program(o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                    qk_scale, kv_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
                    stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, q_amax_ptr, Q_LEN, SPARSE, N_ROWS,
-                   BLOCK_N, STAGES, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, PARTIAL_EVICT_LAST, QUERY_COPY)
+                   BLOCK_N, STAGES, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, PARTIAL_EVICT_LAST)
 
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,

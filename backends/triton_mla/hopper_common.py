@@ -106,13 +106,12 @@ class Program:
     QUERY_IN_CONSUMER: gl.constexpr
     FENCE_SLOTS: gl.constexpr
     EVICT_LAST: gl.constexpr
-    QUERY_COPY: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, o_ptr, lse_ptr, topk_row, pid_m, b, split, seq_len, num_heads, start, end, n_tiles, store_o,
                  qk_scale, out_scale, stride_ob, stride_os, stride_ot, stride_oh, stride_lb, stride_ls, stride_lt,
                  stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, q_amax_ptr, Q_LEN, SPARSE, N_ROWS, BLOCK_N,
-                 STAGES, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, EVICT_LAST, QUERY_COPY=False):
+                 STAGES, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, EVICT_LAST):
         values = locals()
         for name in _PROGRAM_VALUES:
             setattr(self, name, _value(values[name]))
@@ -125,7 +124,6 @@ class Program:
         self.QUERY_IN_CONSUMER = gl.constexpr(QUERY_IN_CONSUMER)
         self.FENCE_SLOTS = gl.constexpr(FENCE_SLOTS)
         self.EVICT_LAST = gl.constexpr(EVICT_LAST)
-        self.QUERY_COPY = gl.constexpr(QUERY_COPY)
 
 
 @aggregate
@@ -238,23 +236,12 @@ def _load_query(prog: Program, col0, layout: gl.constexpr, N_COLS: gl.constexpr,
 @gluon.jit
 def _store_query(prog: Program, q_lat, q_rope, WARPS: gl.constexpr):
     """The query's rows into `q_lat` / `q_rope` (`_load_query`), by `WARPS` warps: every load is issued before the
-    first store, so the round trips overlap; with `prog.QUERY_COPY` (a 16-bit cache, whose query goes in as it is)
-    by `cp.async`, not through registers. Fenced for wgmma."""
+    first store, so the round trips overlap. Fenced for wgmma."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    if prog.QUERY_COPY and not prog.KV_FP8:
-        rows, ok = _query_rows(prog, gl.SliceLayout(1, layout), prog.N_ROWS)
-        lat_cols = gl.arange(0, 512, layout=gl.SliceLayout(0, layout))
-        _async_load(q_lat, rows[:, None] + lat_cols[None, :], mask=ok[:, None])
-        rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        _async_load(q_rope, rows[:, None] + 512 + rope_cols[None, :], mask=ok[:, None])
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        _partition_barrier()  # every thread's copies are in before any warp's wgmma reads them
-    else:
-        lat = _load_query(prog, 0, layout, 512)
-        rope = _load_query(prog, 512, layout, 64)
-        q_rope.store(rope)
-        q_lat.store(lat)
+    lat = _load_query(prog, 0, layout, 512)
+    rope = _load_query(prog, 512, layout, 64)
+    q_rope.store(rope)
+    q_lat.store(lat)
     fence_async_shared()
 
 
