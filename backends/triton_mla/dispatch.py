@@ -128,9 +128,9 @@ HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8",
 # The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
 HOPPER_STAGED_LOADERS = {False: 1, True: 2}
 # Forms whose query every warp loads before the partitions start (elsewhere the MMA warps load it, while the loader
-# already streams). Not the 16-bit qk1 form: H200 (qk1-h200.txt 15), bf16 dense at 64-128 heads, batch 4-128, kv
-# 1k-16k, by the MMA warps 1.023 ragged / 1.018 uniform faster geomean (up to 1.076 at batch 4-16, kv 1k).
-QUERY_BEFORE_PARTITIONS = {("token_split", "fp8", "dense"), ("qk1", "fp8", "dense")}
+# already streams). Not the qk1 form: H200 (qk1-h200.txt 15), dense at 64-128 heads, batch 4-128, kv 1k-16k, by the
+# MMA warps faster geomean: bf16 1.023 ragged / 1.018 uniform (up to 1.076 at batch 4-16, kv 1k), FP8 1.014 ragged.
+QUERY_BEFORE_PARTITIONS = {("token_split", "fp8", "dense")}
 # Forms whose FP8 register loader asks the L2 for the next tile's lines before it waits for a slot.
 L2_PREFETCH_FORMS = {("token_split", "fp8", "sparse"), ("token_split", "fp8", "dense"), ("qk1", "fp8", "dense"),
                      ("qk1", "fp8", "sparse")}

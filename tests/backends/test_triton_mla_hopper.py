@@ -285,9 +285,9 @@ def test_the_query_is_loaded_before_the_partitions_or_by_the_mma_warps(kv, rows,
     (16, True, False, 64, True), (32, False, True, 64, True),   # narrow forms
     (64, False, False, 8, True), (64, True, True, 16, True),    # token-split: BF16 dense below batch 16, sparse FP8
     (64, True, True, 64, True),                                 # sparse FP8 on the qk1 form
-    (64, True, False, 64, False),                               # token-split FP8 dense
-    (128, False, False, 128, True), (64, False, False, 64, True),  # the qk1 form, dense BF16
-    (128, True, False, 128, False),                             # ... dense FP8
+    (128, True, False, 4, False),                               # token-split FP8 dense
+    (128, False, False, 128, True), (64, False, False, 64, True),  # the qk1 form, dense
+    (128, True, False, 128, True), (64, True, False, 64, True),
     (128, False, True, 128, True), (64, False, True, 4, True),  # ... sparse BF16
 ])
 def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, inside):
