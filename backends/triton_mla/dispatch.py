@@ -145,6 +145,10 @@ QK1_QUERY_REG_COLS = {("qk1", "16bit", "sparse"): 128}
 # warpgroup 1 reducing the rescale factors across its warps. H200 (qk1-h200.txt 7), bf16 dense at 128 heads 0.977-0.998
 # of the time (64 heads 0.99-1.02); sparse 1.00-1.02x slower, so dense only.
 QK1_WARP_FLAGS_FORMS = {("qk1", "16bit", "dense")}
+# The sparse qk1 forms whose warpgroup 0 loads the next tile's top-k positions (its mask) once this tile's p @ v is
+# issued, instead of among the tile's score MMAs, whose issue waited for them. H200 (qk1-h200.txt 16), top-k 2048:
+# bf16 128 heads 0.927-0.961 of the time (64 heads 0.994-1.003), e4m3 64-128 heads 0.914-0.950.
+QK1_POSITIONS_AHEAD_FORMS = {("qk1", "16bit", "sparse"), ("qk1", "fp8", "sparse")}
 # The 16-bit forms whose loader copies whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors)
 # instead of every loader thread's `cp.async`, from this many packed query rows. H200 (qk1-h200.txt 9), bf16 dense,
 # batch 16-128, kv 4k-16k: 128 heads 0.978-0.997 of the time (12 of 12 shapes, uniform and ragged); 64 heads
@@ -416,4 +420,5 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         SCORES_AHEAD=scores_ahead, PV_ROWS=pv_rows,
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
         HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params),
-        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS, WARP_FLAGS=form in QK1_WARP_FLAGS_FORMS)
+        F16_SUMS=wide and FP8Q_WIDE_F16_SUMS, WARP_FLAGS=form in QK1_WARP_FLAGS_FORMS,
+        POSITIONS_AHEAD=form in QK1_POSITIONS_AHEAD_FORMS)

@@ -101,19 +101,18 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
 
 
 @gluon.jit
-def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len,
+def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len, pos, ok,
               s_layout: gl.constexpr, o_layout: gl.constexpr, WARP_FLAGS: gl.constexpr = False):
-    """Warpgroup 0 on tile `t`, once its score MMAs `s` are issued: waits for them, runs the online softmax, hands p
-    (over the slot's rope columns) and the rescale factors to warpgroup 1, rescales its output columns and issues
-    `p @ v` on value columns 0-255 (not waited for). Returns (output accumulator, running max, running sum)."""
+    """Warpgroup 0 on tile `t` (its positions `pos` and their validity `ok`, `_tile_positions`), once its score MMAs
+    `s` are issued: waits for them, runs the online softmax, hands p (over the slot's rope columns) and the rescale
+    factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (not waited for).
+    Returns (output accumulator, running max, running sum)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     slot = t % ring.STAGES
     kl = ring.k_lat.index(slot)
-    pos, ok = _tile_positions(prog.start + t * BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
-                              gl.SliceLayout(0, s_layout), BLOCK_N, prog.SPARSE)
     # One query token sees the whole request, which `ok` already checks: its mask is a column bias, computed while
     # the score MMAs run, one FMA an element after them.
     COLUMN_BIAS: gl.constexpr = prog.Q_LEN == 1
@@ -146,8 +145,10 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
 
 @gluon.jit
 def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
-                WARP_FLAGS: gl.constexpr = False):
-    """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255."""
+                WARP_FLAGS: gl.constexpr = False, POSITIONS_AHEAD: gl.constexpr = False):
+    """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255. With
+    `POSITIONS_AHEAD` (sparse: the top-k row holds them) it loads the next tile's positions once this tile's
+    `p @ v` is issued, not among its score MMAs."""
     if prog.QUERY_IN_CONSUMER:
         _store_query(prog, q_lat, q_rope, 4)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -162,10 +163,21 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     l_i = gl.zeros([ROWS], gl.float32, rows_s)
     zero_s = gl.zeros([ROWS, prog.BLOCK_N], gl.float32, s_layout)
     q_regs = _qk1_query_regs(prog, s_layout, REG_COLS)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if POSITIONS_AHEAD:
+        pos, ok = _tile_positions(prog.start, prog.end, prog.seq_len, prog.topk_row, cols_s, prog.BLOCK_N,
+                                  prog.SPARSE)
     for t in range(prog.n_tiles):
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
-        acc, m_i, l_i = _qk1_tile(_qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS), acc, m_i, l_i, t,
-                                  ring, exch, prog, visible_len, s_layout, o_layout, WARP_FLAGS)
+        s = _qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS)
+        if not POSITIONS_AHEAD:
+            pos, ok = _tile_positions(prog.start + t * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s,
+                                      prog.BLOCK_N, prog.SPARSE)
+        acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, t, ring, exch, prog, visible_len, pos, ok, s_layout, o_layout,
+                                  WARP_FLAGS)
+        if POSITIONS_AHEAD:
+            pos, ok = _tile_positions(prog.start + (t + 1) * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
+                                      cols_s, prog.BLOCK_N, prog.SPARSE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
@@ -206,7 +218,8 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, WARP_FLAGS: gl.con
 @gluon.jit
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
-             LOAD_REGS: gl.constexpr, WARP_FLAGS: gl.constexpr = False, lat_desc=None, rope_desc=None):
+             LOAD_REGS: gl.constexpr, WARP_FLAGS: gl.constexpr = False, lat_desc=None, rope_desc=None,
+             POSITIONS_AHEAD: gl.constexpr = False):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread; with the launcher's descriptors the loader copies by
     TMA)."""
@@ -220,7 +233,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     mbarrier.init(l_bar, count=1)
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar, moved_smem)
     gl.warp_specialize([
-        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, WARP_FLAGS)),
+        (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, WARP_FLAGS, POSITIONS_AHEAD)),
         (_qk1_second, (ring, exch, prog, WARP_FLAGS)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, lat_desc, rope_desc))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
