@@ -302,6 +302,46 @@ def test_launch_picks_who_loads_the_query_by_form(heads, kv_fp8, sparse, batch, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_sparse_warpgroup_0_loads_the_next_positions_after_its_p_v(kv):
+    # POSITIONS_AHEAD: after a tile's score MMAs the scorer's next global loads (the top-k positions its mask needs)
+    # come after that tile's p @ v MMAs, not before them; spills no more than without
+    from offline_compile import hopper_compile
+
+    def after_the_scores(ptx):
+        events = []
+        for line in ptx.splitlines():
+            line = re.sub(r"^@!?%p\d+\s+", "", line.strip())
+            mma = re.match(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", line)
+            if mma:
+                events.append("scores" if mma.group(1) == "64" else "p @ v")
+            elif line.startswith("ld.global"):
+                events.append("load")
+        last_score = len(events) - 1 - events[::-1].index("scores")
+        return next(e for e in events[last_score + 1:] if e != "scores")
+
+    kw = dict(kv=kv, sparse=True, page_size=1, qk1=True)
+    ahead, _, report_ahead = hopper_compile(**kw, POSITIONS_AHEAD=True)
+    inside, _, report_inside = hopper_compile(**kw, POSITIONS_AHEAD=False)
+    assert after_the_scores(ahead) == "p @ v" and after_the_scores(inside) == "load"
+    assert _spill_bytes(report_ahead) <= _spill_bytes(report_inside), (report_ahead, report_inside)
+
+
+@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,ahead", [
+    (128, False, True, 128, True), (64, False, True, 4, True),   # sparse BF16 on the qk1 form
+    (64, True, True, 64, True), (64, True, True, 4, False),      # sparse FP8: qk1 form, token-split
+    (128, False, False, 128, False),                             # dense: positions from the tile's start
+])
+def test_launch_loads_the_sparse_positions_ahead_on_the_qk1_form(heads, kv_fp8, sparse, batch, ahead):
+    from mla_tune.backends.triton_mla.dispatch import hopper_constexprs
+    from mla_tune.backends.triton_mla.splits import default_params
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
+                            cc_major=9, num_sms=132, lengths=[4096] * batch)
+    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["POSITIONS_AHEAD"] is ahead, params.label()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kv,sparse,cols", [("bf16", True, 0), ("bf16", True, 128), ("bf16", True, 192),
                                              ("fp16", True, 128), ("fp8", False, 64)])
 def test_warpgroup_0_takes_the_querys_first_columns_from_registers(kv, sparse, cols):
