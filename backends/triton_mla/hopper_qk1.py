@@ -101,6 +101,13 @@ def _qk1_query_regs(prog: Program, s_layout: gl.constexpr, REG_COLS: gl.constexp
 
 
 @gluon.jit
+def _qk1_positions(prog: Program, t, layout: gl.constexpr):
+    """Tile `t`'s token positions and their validity (`_tile_positions`) in `layout`."""
+    return _tile_positions(prog.start + t * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row, layout, prog.BLOCK_N,
+                           prog.SPARSE)
+
+
+@gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len, pos, ok,
               s_layout: gl.constexpr, o_layout: gl.constexpr, WARP_FLAGS: gl.constexpr = False):
     """Warpgroup 0 on tile `t` (its positions `pos` and their validity `ok`, `_tile_positions`), once its score MMAs
@@ -165,19 +172,16 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
     q_regs = _qk1_query_regs(prog, s_layout, REG_COLS)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     if POSITIONS_AHEAD:
-        pos, ok = _tile_positions(prog.start, prog.end, prog.seq_len, prog.topk_row, cols_s, prog.BLOCK_N,
-                                  prog.SPARSE)
+        pos, ok = _qk1_positions(prog, 0, cols_s)
     for t in range(prog.n_tiles):
         slot, phase = _full_slot(ring, t, prog.FENCE_SLOTS)
         s = _qk1_scores(q_lat, q_rope, q_regs, ring, slot, zero_s, REG_COLS)
         if not POSITIONS_AHEAD:
-            pos, ok = _tile_positions(prog.start + t * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row, cols_s,
-                                      prog.BLOCK_N, prog.SPARSE)
+            pos, ok = _qk1_positions(prog, t, cols_s)
         acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, t, ring, exch, prog, visible_len, pos, ok, s_layout, o_layout,
                                   WARP_FLAGS)
         if POSITIONS_AHEAD:
-            pos, ok = _tile_positions(prog.start + (t + 1) * prog.BLOCK_N, prog.end, prog.seq_len, prog.topk_row,
-                                      cols_s, prog.BLOCK_N, prog.SPARSE)
+            pos, ok = _qk1_positions(prog, t + 1, cols_s)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty_bars.index(slot))
     exch.l_smem.store(l_i)
