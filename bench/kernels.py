@@ -36,7 +36,7 @@ from pathlib import Path
 
 HEADS = (16, 32, 64, 128)
 BATCHES = (1, 4, 16, 64, 128)
-KV_LENS = (1024, 4096, 16384)
+KV_LENS = (1024, 4096, 16384, 32768)
 SPARSE_KV_LENS = (8192, 32768)
 KV_DTYPES = ("bf16", "fp8_e4m3")
 TOPK = 2048
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=_ints, default=HEADS, help="comma list (default 16,32,64,128)")
     p.add_argument("--batch", type=_ints, default=BATCHES, help="comma list (default 1,4,16,64,128)")
     p.add_argument("--kv-len", type=_ints, default=None,
-                   help="comma list (default 1024,4096,16384 dense; 8192,32768 sparse)")
+                   help="comma list (default 1024,4096,16384,32768 dense; 8192,32768 sparse)")
     p.add_argument("--kv-dtype", default="bf16,fp8_e4m3", help="comma list of bf16, fp16, fp8_e4m3")
     p.add_argument("--backends", default=None, help="comma list of backend names (default: all runnable)")
     group = p.add_mutually_exclusive_group()

@@ -24,7 +24,8 @@ def test_grid_covers_the_issue_and_subsets():
     full = bench.grid(bench.parse_args([]))
     dense = [s for s in full if s[4] is None]
     sparse = [s for s in full if s[4] is not None]
-    assert len(dense) == 4 * 5 * 3 * 2 and len(sparse) == 4 * 5 * 2 * 2
+    assert len(dense) == 4 * 5 * 4 * 2 and len(sparse) == 4 * 5 * 2 * 2
+    assert {s[3] for s in dense} == {1024, 4096, 16384, 32768}  # the issue's 1k-32k
     assert max(s[3] for s in sparse) == 32768 and {s[4] for s in sparse} == {2048}
     small = bench.grid(bench.parse_args(["--heads", "16", "--kv-dtype", "fp8_e4m3", "--dense-only",
                                          "--batch", "1,4", "--kv-len", "1024"]))
