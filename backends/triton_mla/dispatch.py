@@ -151,8 +151,6 @@ QK1_WARP_FLAGS_FORMS = {("qk1", "16bit", "dense")}
 QK1_POSITIONS_AHEAD_FORMS = {("qk1", "16bit", "sparse"), ("qk1", "fp8", "sparse")}
 # The qk1 forms whose warpgroup 0 sums each tile's p in fp32 before rounding it, instead of the rounded values.
 QK1_SUMS_UNROUNDED_FORMS: set = set()
-# Timing only, not a kernel: warpgroup 0 never rescales its output columns (right only while no reference moves).
-QK1_NO_RESCALE_FORMS: set = set()
 # The 16-bit forms whose loader copies whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors)
 # instead of every loader thread's `cp.async`, from this many packed query rows. H200 (qk1-h200.txt 9), bf16 dense,
 # batch 16-128, kv 4k-16k: 128 heads 0.978-0.997 of the time (12 of 12 shapes, uniform and ragged); 64 heads
@@ -425,5 +423,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
         HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params),
         F16_SUMS=wide and FP8Q_WIDE_F16_SUMS, WARP_FLAGS=form in QK1_WARP_FLAGS_FORMS,
-        POSITIONS_AHEAD=form in QK1_POSITIONS_AHEAD_FORMS, SUMS_UNROUNDED=form in QK1_SUMS_UNROUNDED_FORMS,
-        NO_RESCALE=form in QK1_NO_RESCALE_FORMS)
+        POSITIONS_AHEAD=form in QK1_POSITIONS_AHEAD_FORMS, SUMS_UNROUNDED=form in QK1_SUMS_UNROUNDED_FORMS)

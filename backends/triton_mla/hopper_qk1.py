@@ -110,7 +110,7 @@ def _qk1_positions(prog: Program, t, layout: gl.constexpr):
 @gluon.jit
 def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program, visible_len, pos, ok,
               s_layout: gl.constexpr, o_layout: gl.constexpr, WARP_FLAGS: gl.constexpr = False,
-              SUMS_UNROUNDED: gl.constexpr = False, NO_RESCALE: gl.constexpr = False):
+              SUMS_UNROUNDED: gl.constexpr = False):
     """Warpgroup 0 on tile `t` (its positions `pos` and their validity `ok`, `_tile_positions`), once its score MMAs
     `s` are issued: waits for them, runs the online softmax, hands p (over the slot's rope columns) and the rescale
     factors to warpgroup 1, rescales its output columns and issues `p @ v` on value columns 0-255 (not waited for).
@@ -149,8 +149,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
         exch.moved_smem.index(slot).store(gl.max(gl.reshape(gl.where(alpha < 1.0, 1, 0), [4, 16]), 1))
     fence_async_shared()
     mbarrier.arrive(exch.p_bars.index(slot))
-    if not NO_RESCALE:
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p, p_layout), kl.slice(0, 256, dim=1), acc, is_async=True)
     return acc, m_new, l_i
 
@@ -158,7 +157,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
 @gluon.jit
 def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG_COLS: gl.constexpr = 0,
                 WARP_FLAGS: gl.constexpr = False, POSITIONS_AHEAD: gl.constexpr = False,
-                SUMS_UNROUNDED: gl.constexpr = False, NO_RESCALE: gl.constexpr = False):
+                SUMS_UNROUNDED: gl.constexpr = False):
     """Warpgroup 0 (the default partition): scores, softmax, p to warpgroup 1, value columns 0-255. With
     `POSITIONS_AHEAD` (sparse: the top-k row holds them) it loads the next tile's positions once this tile's
     `p @ v` is issued, not among its score MMAs."""
@@ -185,7 +184,7 @@ def _qk1_scorer(q_lat, q_rope, ring: Ring, exch: Qk1Exchange, prog: Program, REG
         if not POSITIONS_AHEAD:
             pos, ok = _qk1_positions(prog, t, cols_s)
         acc, m_i, l_i = _qk1_tile(s, acc, m_i, l_i, t, ring, exch, prog, visible_len, pos, ok, s_layout, o_layout,
-                                  WARP_FLAGS, SUMS_UNROUNDED, NO_RESCALE)
+                                  WARP_FLAGS, SUMS_UNROUNDED)
         if POSITIONS_AHEAD:
             pos, ok = _qk1_positions(prog, t + 1, cols_s)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -229,8 +228,7 @@ def _qk1_second(ring: Ring, exch: Qk1Exchange, prog: Program, WARP_FLAGS: gl.con
 def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
              LOADER_AHEAD: gl.constexpr, QUERY_REG_COLS: gl.constexpr, MMA_REGS: gl.constexpr,
              LOAD_REGS: gl.constexpr, WARP_FLAGS: gl.constexpr = False, lat_desc=None, rope_desc=None,
-             POSITIONS_AHEAD: gl.constexpr = False, SUMS_UNROUNDED: gl.constexpr = False,
-             NO_RESCALE: gl.constexpr = False):
+             POSITIONS_AHEAD: gl.constexpr = False, SUMS_UNROUNDED: gl.constexpr = False):
     """The qk1 form's exchange buffers and partitions: warpgroup 0 by default, warpgroup 1 and the loader as
     workers (`MMA_REGS` and `LOAD_REGS` registers a thread; with the launcher's descriptors the loader copies by
     TMA)."""
@@ -245,7 +243,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar, moved_smem)
     gl.warp_specialize([
         (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, WARP_FLAGS, POSITIONS_AHEAD,
-                         SUMS_UNROUNDED, NO_RESCALE)),
+                         SUMS_UNROUNDED)),
         (_qk1_second, (ring, exch, prog, WARP_FLAGS)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, lat_desc, rope_desc))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
