@@ -118,11 +118,15 @@ HOPPER_TOKEN_SPLIT_MIN_BATCH = {
 }
 # Sparse requests on the qk1 form that take longer splits.
 HOPPER_QK1_SPARSE_SPLITS = {("16bit", 128): LongerSplits(min_batch=4, min_split_tokens=256)}
-# Short requests at small batches stay on the tl tiles (too few tiles a program for the Hopper set-up).
+# Short requests at small batches stay on the tl tiles (too few tiles a program for the Hopper set-up), dense from
+# the batches below. H200 (short-requests-h200.txt), requests of 1k-2k tokens, the Hopper forms' time over the tl
+# tile's: bf16 16 heads 0.78-0.92 from batch 1; 24-32 heads (token-split) 0.72-0.88 from batch 16; 64 heads
+# 0.74-0.96 from batch 2 (1.14-1.33 at batch 1); 128 heads 0.76-0.95 at batch 1-2; e4m3 16 and 64 heads 0.71-0.92
+# from batch 1; 32 heads 0.71-0.85 from batch 8 (0.84-1.11 at batch 1-4); 128 heads 0.96-1.02 at batch 1.
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH_DEFAULT = 64
-HOPPER_SHORT_BATCH = {("fp8", 16): 16, ("fp8", 32): 16, ("fp8", 64): 16, ("fp8", 128): 4,
-                      ("16bit", 64): 16, ("16bit", 128): 4}  # dense only: the smallest batch that is not short
+HOPPER_SHORT_BATCH = {("fp8", 16): 1, ("fp8", 32): 8, ("fp8", 64): 1, ("fp8", 128): 4, ("16bit", 16): 1,
+                      ("16bit", 32): 16, ("16bit", 64): 2, ("16bit", 128): 1}  # the smallest batch that is not short
 
 # Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
 # The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
@@ -149,8 +153,10 @@ QK1_WARP_FLAGS_FORMS = {("qk1", "16bit", "dense")}
 # issued, instead of among the tile's score MMAs, whose issue waited for them. H200 (qk1-h200.txt 16), top-k 2048:
 # bf16 128 heads 0.927-0.961 of the time (64 heads 0.994-1.003), e4m3 64-128 heads 0.914-0.950.
 QK1_POSITIONS_AHEAD_FORMS = {("qk1", "16bit", "sparse"), ("qk1", "fp8", "sparse")}
-# The qk1 forms whose warpgroup 0 sums each tile's p in fp32 before rounding it, instead of the rounded values.
-QK1_SUMS_UNROUNDED_FORMS: set = set()
+# The qk1 forms whose warpgroup 0 sums each tile's p in fp32 before rounding it, instead of the rounded values (their
+# unpacking sat between p and its hand-over). H200 (qk1-h200.txt 18), bf16 dense: 0.987 uniform (128 heads
+# 0.967-0.991, 64 heads b16 1.003-1.006), 0.994 ragged; sparse 1.004 and e4m3 0.998, not taken.
+QK1_SUMS_UNROUNDED_FORMS = {("qk1", "16bit", "dense")}
 # The 16-bit forms whose loader copies whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors)
 # instead of every loader thread's `cp.async`, from this many packed query rows. H200 (qk1-h200.txt 9), bf16 dense,
 # batch 16-128, kv 4k-16k: 128 heads 0.978-0.997 of the time (12 of 12 shapes, uniform and ragged); 64 heads

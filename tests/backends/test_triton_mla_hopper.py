@@ -232,13 +232,19 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (64, 64, 1024, False, False, True),    # short requests at batch 64
     (64, 16, 1024, False, False, True),    # ... and at batch 16 for 64 heads
     (32, 16, 1024, True, False, 32),       # FP8 32 heads short: the narrow form
-    (32, 16, 1024, False, False, False),   # BF16 32 heads short: the tl tile
+    (32, 16, 1024, False, False, 64),      # BF16 32 heads short from batch 16: the token-split form
+    (32, 8, 1024, False, False, False),    # ... below: the tl tile
+    (32, 4, 1024, True, False, False),     # FP8 32 heads short below batch 8: the tl tile
+    (32, 8, 1024, True, False, 32),        # ... from batch 8: the narrow form
     (128, 4, 1024, True, False, True),     # 128 heads short from batch 4
-    (128, 1, 1024, False, False, False),   # ... not at batch 1
-    (64, 4, 1024, True, False, False),     # 64 heads short at batch 4: the tl tile
+    (128, 1, 1024, False, False, True),    # ... BF16 from batch 1
+    (128, 1, 1024, True, False, False),    # ... not FP8 at batch 1
+    (64, 1, 1024, True, False, True),      # FP8 64 heads short from batch 1
+    (64, 2, 1024, False, False, True),     # BF16 64 heads short from batch 2
     (16, 128, 16384, False, False, 16),    # dense BF16 16 heads: the narrow form
     (16, 1, 4096, False, False, 16),       # ... from batch 1
-    (16, 4, 1024, False, False, False),    # ... short requests at a small batch: the tl tile
+    (16, 1, 1024, False, False, 16),       # ... short requests from batch 1 too
+    (16, 1, 1024, True, False, 16),        # ... and FP8
     (32, 64, 4096, False, False, 32),      # dense BF16 32 heads from 4096 tokens: the narrow form
     (32, 4, 16384, False, False, 32),      # ... at any batch
     (32, 64, 2048, False, False, 64),      # ... shorter: the token-split form
