@@ -120,13 +120,17 @@ HOPPER_TOKEN_SPLIT_MIN_BATCH = {
 HOPPER_QK1_SPARSE_SPLITS = {("16bit", 128): LongerSplits(min_batch=4, min_split_tokens=256)}
 # Short requests at small batches stay on the tl tiles (too few tiles a program for the Hopper set-up), dense from
 # the batches below. H200 (short-requests-h200.txt), requests of 1k-2k tokens, the Hopper forms' time over the tl
-# tile's: bf16 16 heads 0.78-0.92 from batch 1; 24-32 heads (token-split) 0.72-0.88 from batch 16; 64 heads
-# 0.74-0.96 from batch 2 (1.14-1.33 at batch 1); 128 heads 0.76-0.95 at batch 1-2; e4m3 16 and 64 heads 0.71-0.92
+# tile's: bf16 16 heads 0.78-0.92 from batch 1; 24-32 heads (token-split) 0.70-0.88 from batch 16; 64 heads
+# 0.74-0.96 from batch 2 (1.13-1.33 at batch 1); 128 heads 0.76-0.95 at batch 1-2; e4m3 16 and 64 heads 0.71-0.91
 # from batch 1; 32 heads 0.71-0.85 from batch 8 (0.84-1.11 at batch 1-4); 128 heads 0.96-1.02 at batch 1.
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH_DEFAULT = 64
 HOPPER_SHORT_BATCH = {("fp8", 16): 1, ("fp8", 32): 8, ("fp8", 64): 1, ("fp8", 128): 4, ("16bit", 16): 1,
                       ("16bit", 32): 16, ("16bit", 64): 2, ("16bit", 128): 1}  # the smallest batch that is not short
+# ... for requests of at least this many items; shorter ones from HOPPER_SHORT_BATCH_DEFAULT. 32 rows at 256 tokens:
+# 1.20x the tl tile's time at batch 32 (bf16, token-split), 1.10x at batch 8 (e4m3, narrow); 16, 64 and 128 rows
+# 0.68-0.91 there (short-requests-h200.txt).
+HOPPER_SHORT_BATCH_MIN_ITEMS = {("fp8", 32): 1024, ("16bit", 32): 1024}
 
 # Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
 # The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
@@ -197,8 +201,9 @@ def _kind(kv_fp8: bool) -> str:
 
 def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse: bool) -> bool:
     """Too few tiles per program for the warp-specialised kernel (see HOPPER_SHORT_BATCH)."""
-    min_batch = HOPPER_SHORT_BATCH_DEFAULT if sparse else HOPPER_SHORT_BATCH.get((kind, bucket),
-                                                                                 HOPPER_SHORT_BATCH_DEFAULT)
+    key = (kind, bucket)
+    by_key = not sparse and max_items >= HOPPER_SHORT_BATCH_MIN_ITEMS.get(key, 0)
+    min_batch = HOPPER_SHORT_BATCH.get(key, HOPPER_SHORT_BATCH_DEFAULT) if by_key else HOPPER_SHORT_BATCH_DEFAULT
     return max_items < HOPPER_MIN_ITEMS and batch < min_batch
 
 

@@ -205,7 +205,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
 
     never = MinBatch(dense=None, sparse=None)
     for batch in (1, 2, 4, 16, 64, 128):
-        for items in (1024, 2048, 4096):
+        for items in (256, 1024, 2048, 4096):
             kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                           kv_fp8=kind == "fp8", lengths=[items] * batch)
             short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=items, sparse=sparse)
@@ -236,6 +236,8 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (32, 8, 1024, False, False, False),    # ... below: the tl tile
     (32, 4, 1024, True, False, False),     # FP8 32 heads short below batch 8: the tl tile
     (32, 8, 1024, True, False, 32),        # ... from batch 8: the narrow form
+    (32, 8, 512, True, False, False),      # ... not under 1024 items
+    (32, 32, 512, False, False, False),    # BF16 32 heads under 1024 items: the tl tile below batch 64
     (128, 4, 1024, True, False, True),     # 128 heads short from batch 4
     (128, 1, 1024, False, False, True),    # ... BF16 from batch 1
     (128, 1, 1024, True, False, False),    # ... not FP8 at batch 1
