@@ -138,7 +138,7 @@ def _qk1_tile(s, acc, m_i, l_i, t, ring: Ring, exch: Qk1Exchange, prog: Program,
     # 1 also where nothing was visible before (its output and sum are still 0), so no rescale is needed there
     alpha = gl.where(m_i == float("-inf"), 1.0, gl.exp2(m_i - m_safe))
     p = gl.exp2(scores - m_safe[:, None])
-    if SUMS_UNROUNDED:
+    if SUMS_UNROUNDED:  # the fp32 p: no rounded value widened again between p and its hand-over
         l_i = l_i * alpha + gl.sum(p, 1)
     p = _round_pairs(p, kl.dtype)
     if not SUMS_UNROUNDED:
@@ -243,7 +243,7 @@ def _run_qk1(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETC
     exch = Qk1Exchange(alpha_smem, l_smem, p_bars, l_bar, moved_smem)
     gl.warp_specialize([
         (_qk1_scorer, (q_lat, q_rope, ring, exch, prog, QUERY_REG_COLS, WARP_FLAGS, POSITIONS_AHEAD,
-                         SUMS_UNROUNDED)),
+                       SUMS_UNROUNDED)),
         (_qk1_second, (ring, exch, prog, WARP_FLAGS)),
         (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, lat_desc, rope_desc))],
         [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

@@ -349,6 +349,34 @@ def test_launch_loads_the_sparse_positions_ahead_on_the_qk1_form(heads, kv_fp8, 
     assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["POSITIONS_AHEAD"] is ahead, params.label()
 
 
+@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,unrounded", [
+    (128, False, False, 128, True), (64, False, False, 16, True),  # dense BF16 on the qk1 form
+    (128, False, True, 128, False), (64, True, False, 64, False),  # sparse BF16, dense FP8: the rounded p
+])
+def test_launch_sums_unrounded_p_on_the_16bit_dense_qk1_form(heads, kv_fp8, sparse, batch, unrounded):
+    from mla_tune.backends.triton_mla.dispatch import hopper_constexprs
+    from mla_tune.backends.triton_mla.splits import default_params
+
+    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
+                            cc_major=9, num_sms=132, lengths=[4096] * batch)
+    assert params.kernel_form == "qk1", params.label()
+    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["SUMS_UNROUNDED"] is unrounded, params.label()
+
+
+@pytest.mark.slow
+def test_warpgroup_0_sums_p_before_rounding_it():
+    # SUMS_UNROUNDED: the row sums add the fp32 p, so no rounded value is widened back (32 cvt.f32.bf16 a tile
+    # without it); no more spills than without
+    from offline_compile import hopper_compile
+
+    kw = dict(kv="bf16", qk1=True, TMA_KV=True)
+    unrounded, _, report_unrounded = hopper_compile(**kw, SUMS_UNROUNDED=True)
+    rounded, _, report_rounded = hopper_compile(**kw, SUMS_UNROUNDED=False)
+    assert rounded.count("cvt.f32.bf16") == 32 and "cvt.f32.bf16" not in unrounded
+    assert unrounded.count("cvt.rn.bf16x2.f32") == rounded.count("cvt.rn.bf16x2.f32") == 16
+    assert _spill_bytes(report_unrounded) <= _spill_bytes(report_rounded), (report_unrounded, report_rounded)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv,sparse,cols", [("bf16", True, 0), ("bf16", True, 128), ("bf16", True, 192),
                                              ("fp16", True, 128), ("fp8", False, 64)])
