@@ -335,32 +335,25 @@ def test_sparse_warpgroup_0_loads_the_next_positions_after_its_p_v(kv):
     assert _spill_bytes(report_ahead) <= _spill_bytes(report_inside), (report_ahead, report_inside)
 
 
-@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,ahead", [
-    (128, False, True, 128, True), (64, False, True, 4, True),   # sparse BF16 on the qk1 form
-    (64, True, True, 64, True), (64, True, True, 4, False),      # sparse FP8: qk1 form, token-split
-    (128, False, False, 128, False),                             # dense: positions from the tile's start
+@pytest.mark.parametrize("switch,heads,kv_fp8,sparse,batch,form,on", [
+    ("POSITIONS_AHEAD", 128, False, True, 128, "qk1", True),       # sparse BF16 on the qk1 form
+    ("POSITIONS_AHEAD", 64, False, True, 4, "qk1", True),
+    ("POSITIONS_AHEAD", 64, True, True, 64, "qk1", True),          # sparse FP8: the qk1 form
+    ("POSITIONS_AHEAD", 64, True, True, 4, "token_split", False),  # ... token-split
+    ("POSITIONS_AHEAD", 128, False, False, 128, "qk1", False),     # dense: positions from the tile's start
+    ("SUMS_UNROUNDED", 128, False, False, 128, "qk1", True),       # dense BF16 on the qk1 form
+    ("SUMS_UNROUNDED", 64, False, False, 16, "qk1", True),
+    ("SUMS_UNROUNDED", 128, False, True, 128, "qk1", False),       # sparse BF16, dense FP8: the rounded p
+    ("SUMS_UNROUNDED", 64, True, False, 64, "qk1", False),
 ])
-def test_launch_loads_the_sparse_positions_ahead_on_the_qk1_form(heads, kv_fp8, sparse, batch, ahead):
+def test_launch_sets_the_qk1_switches_by_form(switch, heads, kv_fp8, sparse, batch, form, on):
     from mla_tune.backends.triton_mla.dispatch import hopper_constexprs
     from mla_tune.backends.triton_mla.splits import default_params
 
     params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
                             cc_major=9, num_sms=132, lengths=[4096] * batch)
-    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["POSITIONS_AHEAD"] is ahead, params.label()
-
-
-@pytest.mark.parametrize("heads,kv_fp8,sparse,batch,unrounded", [
-    (128, False, False, 128, True), (64, False, False, 16, True),  # dense BF16 on the qk1 form
-    (128, False, True, 128, False), (64, True, False, 64, False),  # sparse BF16, dense FP8: the rounded p
-])
-def test_launch_sums_unrounded_p_on_the_16bit_dense_qk1_form(heads, kv_fp8, sparse, batch, unrounded):
-    from mla_tune.backends.triton_mla.dispatch import hopper_constexprs
-    from mla_tune.backends.triton_mla.splits import default_params
-
-    params = default_params(num_heads=heads, q_len=1, batch=batch, max_items=4096, sparse=sparse, kv_fp8=kv_fp8,
-                            cc_major=9, num_sms=132, lengths=[4096] * batch)
-    assert params.kernel_form == "qk1", params.label()
-    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)["SUMS_UNROUNDED"] is unrounded, params.label()
+    assert params.kernel_form == form, params.label()
+    assert hopper_constexprs(params, kv_fp8=kv_fp8, sparse=sparse)[switch] is on, params.label()
 
 
 @pytest.mark.slow
