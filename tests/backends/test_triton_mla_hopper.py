@@ -923,3 +923,60 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
+
+
+def _exp2_poly_reference(x: torch.Tensor) -> torch.Tensor:
+    """hopper_common._exp2_poly_ptx's arithmetic in float32: clamp, round by 1.5 * 2^23, EXP2_POLY, exponent add."""
+    from mla_tune.backends.triton_mla.config import EXP2_POLY
+
+    c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in EXP2_POLY)
+    x = torch.clamp(x.float(), min=-127.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = torch.addcmul(c2, f, c3)
+    p = torch.addcmul(c1, p, f)
+    p = torch.addcmul(torch.ones_like(f), p, f)
+    return (p.view(torch.int32) + (t.view(torch.int32) << 23)).view(torch.float32)
+
+
+def test_exp2_polynomial_is_within_1e_4_of_exp2_and_exact_at_0_and_minus_inf():
+    # every value p can take (at most 2^8: the lazy reference) down to where 2^x no longer matters next to 1
+    x = torch.cat([torch.linspace(-125.0, 8.0, 400_001), torch.tensor([0.0, -4.5, 7.5, -124.5])])
+    rel = (_exp2_poly_reference(x).double() / torch.exp2(x.double()) - 1).abs()
+    assert rel.max() < 1.02e-4, rel.max()
+    assert _exp2_poly_reference(torch.tensor([0.0, float("-inf"), -127.0, -1e30])).tolist() == [1.0, 0.0, 0.0, 0.0]
+    below = _exp2_poly_reference(torch.linspace(-200.0, -125.0, 10_001))
+    assert ((below >= 0) & (below < 2.0**-124)).all()  # nothing negative or large from the exponent's wrap
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                    reason="Gluon kernels need an NVIDIA GPU from SM80")
+@pytest.mark.parametrize("on_fma", [0, 1, 2, 3, 4])
+def test_gpu_exp2_quads_match_exp2_and_the_polynomial(on_fma):
+    # the inline PTX itself: values on the FMA pipe as the float32 emulation's (up to its unfused multiply-adds),
+    # MUFU's within 2^-21 of exp2
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from mla_tune.backends.triton_mla.hopper_common import _exp2_quads
+
+    @gluon.jit
+    def kernel(x_ptr, y_ptr, ON_FMA: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        offs = gl.program_id(0) * 512 + gl.arange(0, 512, layout)
+        gl.store(y_ptr + offs, _exp2_quads(gl.load(x_ptr + offs), ON_FMA))
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(2**16 - 8, generator=gen) * 140.0 - 132.0,
+                   torch.tensor([0.0, 8.0, float("-inf"), -127.0, -126.5, -0.5, 0.5, 1e-7])])
+    y = torch.empty_like(x, device="cuda")
+    kernel[(x.numel() // 512,)](x.cuda(), y, on_fma, num_warps=4)
+    y = y.cpu().view(-1, 4)
+    poly, mufu = y[:, :on_fma], x.view(-1, 4)[:, on_fma:]
+    reference = _exp2_poly_reference(x.view(-1, 4)[:, :on_fma])
+    assert torch.equal(poly == 0, reference == 0) and torch.allclose(poly, reference, rtol=2.0**-21, atol=0)
+    exact = torch.exp2(mufu.double())
+    big = exact > 2.0**-126  # ex2.approx.ftz flushes the rest to 0
+    assert ((y[:, on_fma:].double()[big] / exact[big] - 1).abs() < 2.0**-21).all()
+    assert (y[:, on_fma:][~big] == 0).all()
