@@ -161,9 +161,6 @@ QK1_POSITIONS_AHEAD_FORMS = {("qk1", "16bit", "sparse"), ("qk1", "fp8", "sparse"
 # unpacking sat between p and its hand-over). H200 (qk1-h200.txt 18), bf16 dense: 0.987 uniform (128 heads
 # 0.967-0.991, 64 heads b16 1.003-1.006), 0.994 ragged; sparse 1.004 and e4m3 0.998, not taken.
 QK1_SUMS_UNROUNDED_FORMS = {("qk1", "16bit", "dense")}
-# The qk1 forms whose warpgroup 0 computes some of p's exp2 by a polynomial on the FMA pipe, how many of every four
-# values (hopper_common._exp2_quads).
-QK1_POLY_EXP2_FORMS: dict = {}
 # The 16-bit forms whose loader copies whole tiles by TMA where the cache's rows allow it (launcher.kv_descriptors)
 # instead of every loader thread's `cp.async`, from this many packed query rows. H200 (qk1-h200.txt 9), bf16 dense,
 # batch 16-128, kv 4k-16k: 128 heads 0.978-0.997 of the time (12 of 12 shapes, uniform and ragged); 64 heads
@@ -437,5 +434,4 @@ def hopper_constexprs(params: LaunchParams, *, kv_fp8: bool, sparse: bool, tiles
         SCORES_T=wide and pv_rows in FP8Q_WIDE_SCORES_T_ROWS, ROW_AHEAD=wide and FP8Q_WIDE_ROW_AHEAD,
         HALF_ROWS=wide and pv_rows in FP8Q_WIDE_HALF_ROWS and rounds_query_before(params),
         F16_SUMS=wide and FP8Q_WIDE_F16_SUMS, WARP_FLAGS=form in QK1_WARP_FLAGS_FORMS,
-        POSITIONS_AHEAD=form in QK1_POSITIONS_AHEAD_FORMS, SUMS_UNROUNDED=form in QK1_SUMS_UNROUNDED_FORMS,
-        POLY_EXP2=QK1_POLY_EXP2_FORMS.get(form, 0))
+        POSITIONS_AHEAD=form in QK1_POSITIONS_AHEAD_FORMS, SUMS_UNROUNDED=form in QK1_SUMS_UNROUNDED_FORMS)

@@ -61,7 +61,7 @@ def _mla_hopper_kernel(
     HALF_ROWS: gl.constexpr = False, F16_SUMS: gl.constexpr = False,
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, q_amax_ptr=None,
     LAUNCH_COMBINE_EARLY: gl.constexpr = False, POSITIONS_AHEAD: gl.constexpr = False,
-    SUMS_UNROUNDED: gl.constexpr = False, POLY_EXP2: gl.constexpr = 0,
+    SUMS_UNROUNDED: gl.constexpr = False,
 ):
     if LAUNCH_COMBINE_EARLY:  # the combine (its programmatic dependent) may start as SMs free up
         gdc_launch_dependents()
@@ -137,6 +137,6 @@ def _mla_hopper_kernel(
             _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS)
         elif QK1:
             _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
-                     WARP_FLAGS, kv_lat_desc, kv_rope_desc, POSITIONS_AHEAD, SUMS_UNROUNDED, POLY_EXP2)
+                     WARP_FLAGS, kv_lat_desc, kv_rope_desc, POSITIONS_AHEAD, SUMS_UNROUNDED)
         else:
             _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

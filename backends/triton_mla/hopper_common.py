@@ -7,8 +7,6 @@ writes), `KvSource` (where its KV tiles come from) and `Ring` (the shared-memory
 """
 
 # No `from __future__ import annotations`: the aggregates check their fields against real annotation types.
-import struct
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
@@ -365,38 +363,6 @@ def _round_pairs(x, dtype: gl.constexpr):
                                          is_pure=True, pack=2)
     else:
         return x.to(dtype)
-
-
-def _f32_literal(value: float) -> str:
-    """`value` as a PTX fp32 literal (0fXXXXXXXX)."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-def _exp2_poly_ptx(src: str, dst: str) -> str:
-    """PTX for `dst` = 2^`src` on the FMA pipe: x clamped at -127 (so -inf gives 0 exactly), split by the 1.5 * 2^23
-    rounding trick into j = round(x) and f = x - j, then EXP2_POLY(f) with j added to its exponent."""
-    c1, c2, c3 = (_f32_literal(c) for c in config.EXP2_POLY)
-    return (f"max.f32 x, {src}, 0fC2FE0000;\nadd.rn.f32 t, x, 0f4B400000;\nsub.rn.f32 j, t, 0f4B400000;\n"
-            f"sub.rn.f32 f, x, j;\nfma.rn.f32 p, f, {c3}, {c2};\nfma.rn.f32 p, p, f, {c1};\n"
-            f"fma.rn.f32 p, p, f, 0f3F800000;\nshl.b32 t, t, 23;\nadd.s32 {dst}, p, t;\n")
-
-
-def _exp2_quad_ptx(on_fma: int) -> str:
-    """Inline PTX for 2^x of four values, the first `on_fma` on the FMA pipe and the rest by MUFU.EX2."""
-    body = "".join(_exp2_poly_ptx(f"${4 + i}", f"${i}") if i < on_fma else f"ex2.approx.ftz.f32 ${i}, ${4 + i};\n"
-                   for i in range(4))
-    return "{\n.reg .b32 x, t, j, f, p;\n" + body + "}"
-
-
-_EXP2_QUAD_PTX = gl.constexpr(tuple(_exp2_quad_ptx(n) for n in range(5)))
-
-
-@gluon.jit
-def _exp2_quads(x, ON_FMA: gl.constexpr):
-    """2^x of fp32 `x` (at most 2^8 here), `ON_FMA` of every four values by a polynomial on the FMA pipe: MUFU.EX2
-    takes 16 values a clock an SM, which paced the softmax. Relative error 1.0e-4 there (config.EXP2_POLY)."""
-    return gl.inline_asm_elementwise(_EXP2_QUAD_PTX[ON_FMA], "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                     is_pure=True, pack=4)
 
 
 @gluon.jit
