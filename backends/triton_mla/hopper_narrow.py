@@ -105,10 +105,11 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_
 
 @gluon.jit
 def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
-                LOAD_REGS: gl.constexpr):
+                LOAD_REGS: gl.constexpr, lat_desc=None, rope_desc=None):
     """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
     warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
-    per slot, for a 16-bit cache or fp8_ds_mla rows, whose loaders also ask the L2 for their tile after next)."""
+    per slot, for a 16-bit cache or fp8_ds_mla rows, whose loaders also ask the L2 for their tile after next; with
+    the launcher's descriptors one TMA loader)."""
     mma_dtype: gl.constexpr = gl.float16 if prog.KV_FP8 else prog.q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(mma_dtype, [prog.N_ROWS, prog.BLOCK_N], smem_layout)
@@ -126,6 +127,11 @@ def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_
                 (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
                 (_load_partition_staged, (src, ring, stage))],
                 [LOAD_WARPS], [LOAD_REGS])
+    elif lat_desc is not None:
+        gl.warp_specialize([
+            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
+            (_load_partition, (src, ring, 0, 1, False, False, lat_desc, rope_desc))],
+            [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
             (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
