@@ -5,7 +5,8 @@ With 64 rows on wgmma's M, 16 heads would leave 3/4 of every MMA padding. Here t
 p^T from shared memory), and the softmax over the tokens needs no exchange with another warpgroup. The query takes
 18-36 KiB instead of 72, which leaves room for an FP8 staging ring (`hopper_loaders._load_partition_staged`): one
 loader warpgroup for a dense cache, two for a sparse one (their lookups and gathers run side by side); 16-bit
-caches and fp8_ds_mla rows use two plain loaders, one per slot.
+caches and fp8_ds_mla rows use two plain loaders, one per slot, or, where the launcher gives a 16-bit cache's
+descriptors (`dispatch.copies_by_tma`), one TMA loader.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """TMA copies of whole KV tiles into a ring slot, for every Hopper form that takes the launcher's descriptors
-(`launcher.kv_descriptors`): the FP8-query forms (e4m3 bytes) and, with a 16-bit cache, the qk1 form.
+(`launcher.kv_descriptors`): the FP8-query forms (e4m3 bytes) and, with a 16-bit cache, the qk1 and narrow forms.
 
 A tile inside the program's range goes by TMA; a partial last tile goes by the form's `cp.async` copy, which zeroes
 its rows past the range: stale bytes there (a NaN) would meet p = 0 in `p @ v`. A slot's 512 latent columns lie as

@@ -446,19 +446,23 @@ def test_kv_descriptors_of_a_16bit_cache_take_a_tiles_rows_in_128_byte_blocks():
     assert kv_descriptors(torch.zeros(10, 64, 577, dtype=torch.bfloat16)[:, :, 1:], 64) is None  # rows 2 bytes off
 
 
-@pytest.mark.parametrize("heads,q_len,kv_fp8,sparse,batch,page_size,tma", [
-    (128, 1, False, False, 64, 64, True), (64, 2, False, False, 64, 128, True),  # dense qk1, 16-bit, 2 row blocks
-    (64, 1, False, False, 128, 64, False),   # one row block (measured slower by TMA)
-    (128, 1, False, False, 64, 16, False),   # a tile over four pages: every loader thread's cp.async
-    (128, 1, False, True, 64, 64, False), (128, 1, True, False, 64, 64, False),  # sparse BF16 (gathers), FP8 (casts)
+@pytest.mark.parametrize("heads,q_len,kv_fp8,sparse,batch,page_size,form,tma", [
+    (128, 1, False, False, 64, 64, "qk1", True), (64, 2, False, False, 64, 128, "qk1", True),  # 2 row blocks
+    (64, 1, False, False, 128, 64, "qk1", False),   # one row block (measured slower by TMA)
+    (128, 1, False, False, 64, 16, "qk1", False),   # a tile over four pages: every loader thread's cp.async
+    (128, 1, False, True, 64, 64, "qk1", False), (128, 1, True, False, 64, 64, "qk1", False),  # sparse, FP8
+    (16, 1, False, False, 1, 64, "narrow", True), (32, 1, False, False, 128, 128, "narrow", True),  # dense 16-bit
+    (16, 2, False, False, 16, 64, "narrow", True),
+    (32, 1, False, False, 128, 16, "narrow", False),   # pages shorter than a tile
+    (16, 1, True, False, 128, 64, "narrow", False), (16, 1, False, True, 128, 64, "narrow", False),  # FP8, sparse
 ])
-def test_launch_copies_16bit_tiles_by_tma_by_form(heads, q_len, kv_fp8, sparse, batch, page_size, tma):
+def test_launch_copies_16bit_tiles_by_tma_by_form(heads, q_len, kv_fp8, sparse, batch, page_size, form, tma):
     from mla_tune.backends.triton_mla.dispatch import copies_by_tma
     from mla_tune.backends.triton_mla.splits import default_params
 
     params = default_params(num_heads=heads, q_len=q_len, batch=batch, max_items=4096, sparse=sparse,
                             kv_fp8=kv_fp8, cc_major=9, num_sms=132, lengths=[4096] * batch)
-    assert params.kernel_form == "qk1", params
+    assert params.kernel_form == form, params
     rows = heads if sparse else heads * q_len
     assert copies_by_tma(params, kv_fp8=kv_fp8, sparse=sparse, page_size=page_size, query_rows=rows) is tma
 
@@ -481,6 +485,21 @@ def test_the_qk1_loader_copies_whole_16bit_tiles_by_tma(page_size):
     fenced, _, _ = hopper_compile(kv="bf16", qk1=True, page_size=page_size, TMA_KV=True, CONSUMER_FENCE=True)
     fences = [text.count("fence.proxy.async") for text in (ptx, plain, fenced)]
     assert fences[0] < fences[1] < fences[2], fences
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [16, 32])
+def test_the_narrow_form_copies_whole_16bit_tiles_by_one_tma_loader(rows):
+    # with the descriptors one loader warpgroup: two boxes a tile and 36 cp.async a thread for the partial last
+    # tile, where two cp.async loaders make 36 each; 8 warps instead of 12; nothing spills
+    from offline_compile import hopper_compile
+
+    ptx, smem, report = hopper_compile(kv="bf16", rows=rows, TMA_KV=True)
+    plain, _, _ = hopper_compile(kv="bf16", rows=rows, TMA_KV=False)
+    assert sorted(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx)) == ["2", "3"]
+    assert ptx.count("cp.async.cg.shared.global") * 2 == plain.count("cp.async.cg.shared.global") == 72
+    assert "cp.async.mbarrier.arrive" not in ptx and "cp.async.bulk.tensor" not in plain
+    assert _spill_bytes(report) == 0 and smem <= SMEM_LIMIT, report
 
 
 @pytest.mark.slow
