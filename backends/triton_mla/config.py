@@ -48,7 +48,7 @@ class HopperShape:
         block_n: KV tokens per shared-memory slot.
         num_warps: the warps the launch names; the kernel adds its worker partitions (`warps_run`).
         num_stages: ring slots.
-        warps_run: every warp the program runs (launch warps plus worker warpgroups).
+        warps_run: the most warps the program runs (launch warps plus worker warpgroups).
     """
 
     block_h: int

@@ -496,6 +496,7 @@ def test_the_narrow_form_copies_whole_16bit_tiles_by_one_tma_loader(rows):
 
     ptx, smem, report = hopper_compile(kv="bf16", rows=rows, TMA_KV=True)
     plain, _, _ = hopper_compile(kv="bf16", rows=rows, TMA_KV=False)
+    assert ".reqntid 256" in ptx and ".reqntid 384" in plain
     assert sorted(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx)) == ["2", "3"]
     assert ptx.count("cp.async.cg.shared.global") * 2 == plain.count("cp.async.cg.shared.global") == 72
     assert "cp.async.mbarrier.arrive" not in ptx and "cp.async.bulk.tensor" not in plain
