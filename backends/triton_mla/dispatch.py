@@ -165,7 +165,7 @@ QK1_SUMS_UNROUNDED_FORMS = {("qk1", "16bit", "dense")}
 # instead of every loader thread's `cp.async`, from this many packed query rows. H200 (qk1-h200.txt 9), bf16 dense,
 # batch 16-128, kv 4k-16k: 128 heads 0.978-0.997 of the time (12 of 12 shapes, uniform and ragged); 64 heads
 # 0.996-1.013, so from two row blocks. The narrow form (one TMA loader instead of two cp.async ones), H200
-# (narrow-h200.txt), bf16 16-32 heads, batch 16-128, kv 4k-32k: 0.980 uniform (0.933-1.003), 0.988 ragged.
+# (tma-16bit-h200.txt), bf16 16-32 heads, batch 16-128, kv 4k-32k: 0.980 uniform (0.933-1.003), 0.988 ragged.
 TMA_16BIT_MIN_ROWS = {("qk1", "16bit", "dense"): 65, ("narrow", "16bit", "dense"): 1}
 
 # Splits whose partials the combine loads together.
