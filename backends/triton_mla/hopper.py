@@ -132,12 +132,12 @@ def _mla_hopper_kernel(
                           else 1 if kv_lat_desc is not None else LOAD_WARPS * 32)
             mbarrier.init(empty_bars.index(i), count=2 if QK1 else 1)
         ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
-        gl.static_assert(kv_lat_desc is None or not KV_FP8, "TMA copies of an FP8 cache: the FP8-query forms")
+        gl.static_assert(kv_lat_desc is None or ((QK1 or N_ROWS < ROWS) and not KV_FP8),
+                         "16-bit TMA copies: the qk1 and narrow forms' loader")
         if N_ROWS < ROWS:
             _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS, kv_lat_desc, kv_rope_desc)
         elif QK1:
             _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
                      WARP_FLAGS, kv_lat_desc, kv_rope_desc, POSITIONS_AHEAD, SUMS_UNROUNDED)
         else:
-            _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS, kv_lat_desc,
-                             kv_rope_desc)
+            _run_token_split(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, LOAD_REGS)

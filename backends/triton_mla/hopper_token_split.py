@@ -72,10 +72,9 @@ def _token_split_mma(q_lat, q_rope, ring: Ring, prog: Program):
 
 @gluon.jit
 def _run_token_split(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, L2_PREFETCH: gl.constexpr,
-                     LOADER_AHEAD: gl.constexpr, LOAD_REGS: gl.constexpr, lat_desc=None, rope_desc=None):
-    """The token-split form's partitions: the MMA warps as the default partition, one loader warpgroup (by TMA
-    with the launcher's descriptors)."""
+                     LOADER_AHEAD: gl.constexpr, LOAD_REGS: gl.constexpr):
+    """The token-split form's partitions: the MMA warps as the default partition, one loader warpgroup."""
     gl.warp_specialize([
         (_token_split_mma, (q_lat, q_rope, ring, prog)),
-        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD, lat_desc, rope_desc))],
+        (_load_partition, (src, ring, 0, 1, L2_PREFETCH, LOADER_AHEAD))],
         [LOAD_WARPS], [LOAD_REGS])
