@@ -77,13 +77,10 @@ HOPPER_FP8_QUERY_SHAPES = {**{rows: dataclasses.replace(shape, num_stages=3)
 HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=4, warps_run=12)
 # The qk1 form: launched with 4 warps (warpgroup 0, which scores); warpgroup 1 and the loader are workers.
 HOPPER_QK1_SHAPE = HopperShape(block_h=64, block_n=64, num_warps=4, num_stages=2, warps_run=12)
-# The qk1 form on 32-token tiles, four slots in the same shared memory (not dispatched: timed against the above).
-HOPPER_QK1_32_SHAPE = HopperShape(block_h=64, block_n=32, num_warps=4, num_stages=4, warps_run=12)
 # The Hopper shape by rows bucket (16 and 32: narrow; 64: token-split).
 HOPPER_SHAPES = {64: HOPPER_TOKEN_SPLIT_SHAPE, **HOPPER_NARROW_SHAPES}
 FP8_QUERY_SHAPES = tuple(s.key() for s in (*HOPPER_FP8_QUERY_SHAPES.values(), HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE))
-WARP_SPECIALIZED_SHAPES = (tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE, HOPPER_QK1_32_SHAPE))
-                           + FP8_QUERY_SHAPES)
+WARP_SPECIALIZED_SHAPES = tuple(s.key() for s in (*HOPPER_SHAPES.values(), HOPPER_QK1_SHAPE)) + FP8_QUERY_SHAPES
 # 12 warps x 32 threads x 168 registers fill the SM's 64 Ki registers (every form runs 12); `setmaxnreg` then
 # rebalances them between its partitions.
 HOPPER_MAXNREG = 168

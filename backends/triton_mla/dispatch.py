@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from mla_tune.backends.triton_mla.config import (
     BIG_TILE_CC_MAJORS, HOPPER_CC_MAJORS, HOPPER_FP8_QUERY_SHAPES, HOPPER_FP8_QUERY_WIDE_AHEAD_SHAPE, HOPPER_LOAD_REGS,
-    HOPPER_NARROW_SHAPES, HOPPER_QK1_32_SHAPE, HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS,
+    HOPPER_NARROW_SHAPES, HOPPER_QK1_SHAPE, HOPPER_TOKEN_SPLIT_SHAPE, PARAM_SPACE, QK1_WORKER_REGS,
     FP8_QUERY_WIDE_PV_REGS, LaunchParams, Tile, hopper_tile, packed_rows, rows_bucket)
 
 
@@ -102,7 +102,6 @@ HOPPER_TOKEN_SPLIT_TILE = hopper_tile(HOPPER_TOKEN_SPLIT_SHAPE)
 HOPPER_NARROW_TILES = {rows: hopper_tile(shape) for rows, shape in HOPPER_NARROW_SHAPES.items()}
 HOPPER_TILES = {64: HOPPER_TOKEN_SPLIT_TILE, **HOPPER_NARROW_TILES}  # by rows bucket
 HOPPER_QK1_TILE = hopper_tile(HOPPER_QK1_SHAPE)
-HOPPER_QK1_32_TILE = hopper_tile(HOPPER_QK1_32_SHAPE)  # not dispatched
 # Where each Hopper form replaces the tl tile on SM90, tried in this order (narrow, qk1, token-split).
 HOPPER_NARROW_MIN_BATCH = {
     ("fp8", 16): MinBatch(dense=1, sparse=1), ("fp8", 32): MinBatch(dense=1, sparse=1),
