@@ -22,11 +22,10 @@ class MinBatch:
 
     dense: int | None
     sparse: int | None
-    dense_min_items: int = 0  # dense: only where the longest request has at least this many tokens
 
-    def takes(self, *, batch: int, max_items: int, sparse: bool) -> bool:
+    def takes(self, *, batch: int, sparse: bool) -> bool:
         min_batch = self.sparse if sparse else self.dense
-        return min_batch is not None and batch >= min_batch and (sparse or max_items >= self.dense_min_items)
+        return min_batch is not None and batch >= min_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,27 +101,30 @@ HOPPER_TOKEN_SPLIT_TILE = hopper_tile(HOPPER_TOKEN_SPLIT_SHAPE)
 HOPPER_NARROW_TILES = {rows: hopper_tile(shape) for rows, shape in HOPPER_NARROW_SHAPES.items()}
 HOPPER_TILES = {64: HOPPER_TOKEN_SPLIT_TILE, **HOPPER_NARROW_TILES}  # by rows bucket
 HOPPER_QK1_TILE = hopper_tile(HOPPER_QK1_SHAPE)
-# Where each Hopper form replaces the tl tile on SM90, tried in this order (narrow, qk1, token-split).
+# Where each Hopper form replaces the tl tile on SM90, tried in this order (narrow, qk1, token-split). 16-bit dense
+# 32 rows on the narrow form whatever the length, since its tiles go by TMA: H200 (tma-16bit-h200.txt 3), 24-32 heads
+# with 1k-3k tokens, over the token-split form (tl below batch 16 at 1k): 0.925 uniform, 0.926 ragged of the time.
 HOPPER_NARROW_MIN_BATCH = {
     ("fp8", 16): MinBatch(dense=1, sparse=1), ("fp8", 32): MinBatch(dense=1, sparse=1),
-    ("16bit", 16): MinBatch(dense=1, sparse=16), ("16bit", 32): MinBatch(dense=1, sparse=64, dense_min_items=4096),
+    ("16bit", 16): MinBatch(dense=1, sparse=16), ("16bit", 32): MinBatch(dense=1, sparse=64),
 }
 HOPPER_QK1_MIN_BATCH = {
     ("16bit", 64): MinBatch(dense=16, sparse=1), ("16bit", 128): MinBatch(dense=4, sparse=1),
     ("fp8", 64): MinBatch(dense=1, sparse=64), ("fp8", 128): MinBatch(dense=16, sparse=64),
 }
-HOPPER_TOKEN_SPLIT_MIN_BATCH = {
-    ("16bit", 32): MinBatch(dense=16, sparse=4), ("16bit", 64): MinBatch(dense=1, sparse=1),
+HOPPER_TOKEN_SPLIT_MIN_BATCH = {  # dense 16-bit 32 rows: the narrow form, at every batch
+    ("16bit", 32): MinBatch(dense=None, sparse=4), ("16bit", 64): MinBatch(dense=1, sparse=1),
     ("16bit", 128): MinBatch(dense=1, sparse=1), ("fp8", 64): MinBatch(dense=1, sparse=1),
     ("fp8", 128): MinBatch(dense=1, sparse=1),
 }
 # Sparse requests on the qk1 form that take longer splits.
 HOPPER_QK1_SPARSE_SPLITS = {("16bit", 128): LongerSplits(min_batch=4, min_split_tokens=256)}
-# Short requests at small batches stay on the tl tiles (too few tiles a program for the Hopper set-up), dense from
-# the batches below. H200 (short-requests-h200.txt), requests of 1k-2k tokens, the Hopper forms' time over the tl
-# tile's: bf16 16 heads 0.78-0.92 from batch 1; 24-32 heads (token-split) 0.70-0.88 from batch 16; 64 heads
-# 0.74-0.96 from batch 2 (1.13-1.33 at batch 1); 128 heads 0.76-0.95 at batch 1-2; e4m3 16 and 64 heads 0.71-0.91
-# from batch 1; 32 heads 0.71-0.85 from batch 8 (0.84-1.11 at batch 1-4); 128 heads 0.96-1.02 at batch 1.
+# Short requests at small batches stay on the tl tiles (too few tiles a program for the Hopper set-up), dense from the
+# batches below. H200 (short-requests-h200.txt), requests of 1k-2k tokens, the Hopper forms' time over the tl tile's:
+# bf16 16 heads 0.78-0.92 from batch 1; 24-32 heads 0.70-0.88 from batch 16 (token-split; the narrow form since,
+# tma-16bit-h200.txt 3); 64 heads 0.74-0.96 from batch 2 (1.13-1.33 at batch 1); 128 heads 0.76-0.95 at batch 1-2;
+# e4m3 16 and 64 heads 0.71-0.91 from batch 1; 32 heads 0.71-0.85 from batch 8 (0.84-1.11 at batch 1-4); 128 heads
+# 0.96-1.02 at batch 1.
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH_DEFAULT = 64
 HOPPER_SHORT_BATCH = {("fp8", 16): 1, ("fp8", 32): 8, ("fp8", 64): 1, ("fp8", 128): 4, ("16bit", 16): 1,
@@ -208,12 +210,12 @@ def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse
     return max_items < HOPPER_MIN_ITEMS and batch < min_batch
 
 
-def _hopper_tile(kind: str, bucket: int, *, batch: int, max_items: int, sparse: bool) -> Tile | None:
-    """The first Hopper form whose table takes (kind, bucket) at this batch and length, or None."""
+def _hopper_tile(kind: str, bucket: int, *, batch: int, sparse: bool) -> Tile | None:
+    """The first Hopper form whose table takes (kind, bucket) at this batch, or None."""
     for table, tile in ((HOPPER_NARROW_MIN_BATCH, HOPPER_TILES.get(bucket)), (HOPPER_QK1_MIN_BATCH, HOPPER_QK1_TILE),
                         (HOPPER_TOKEN_SPLIT_MIN_BATCH, HOPPER_TOKEN_SPLIT_TILE)):
         entry = table.get((kind, bucket))
-        if entry is not None and entry.takes(batch=batch, max_items=max_items, sparse=sparse):
+        if entry is not None and entry.takes(batch=batch, sparse=sparse):
             longer = HOPPER_QK1_SPARSE_SPLITS.get((kind, bucket)) if sparse and tile == HOPPER_QK1_TILE else None
             if longer and batch >= longer.min_batch:
                 return tile.replace(min_split_tokens=longer.min_split_tokens)
@@ -238,7 +240,7 @@ def default_tile(*, num_heads: int, q_len: int, batch: int, max_items: int, spar
     kind, bucket = _kind(kv_fp8 or ds_mla), rows_bucket(packed_rows(num_heads, q_len, sparse=sparse))
     short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=max_items, sparse=sparse)
     if cc_major in HOPPER_CC_MAJORS and not short:
-        tile = _hopper_tile(kind, bucket, batch=batch, max_items=max_items, sparse=sparse)
+        tile = _hopper_tile(kind, bucket, batch=batch, sparse=sparse)
         if tile is not None:
             return tile
     return table_tile(kind, bucket, batch=batch, sparse=sparse, cc_major=cc_major)

@@ -209,7 +209,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
             kwargs = dict(num_heads=bucket, q_len=1, batch=batch, max_items=items, num_sms=132, sparse=sparse,
                           kv_fp8=kind == "fp8", lengths=[items] * batch)
             short = short_requests(kind=kind, bucket=bucket, batch=batch, max_items=items, sparse=sparse)
-            takes = dict(batch=batch, max_items=items, sparse=sparse)
+            takes = dict(batch=batch, sparse=sparse)
             narrow = HOPPER_NARROW_MIN_BATCH.get((kind, bucket), never).takes(**takes) and not short
             qk1 = HOPPER_QK1_MIN_BATCH.get((kind, bucket), never).takes(**takes) and not short and not narrow
             wide = (qk1 or HOPPER_TOKEN_SPLIT_MIN_BATCH.get((kind, bucket), never).takes(**takes)) and not short \
@@ -232,7 +232,7 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (64, 64, 1024, False, False, True),    # short requests at batch 64
     (64, 16, 1024, False, False, True),    # ... and at batch 16 for 64 heads
     (32, 16, 1024, True, False, 32),       # FP8 32 heads short: the narrow form
-    (32, 16, 1024, False, False, 64),      # BF16 32 heads short from batch 16: the token-split form
+    (32, 16, 1024, False, False, 32),      # BF16 32 heads short from batch 16: the narrow form
     (32, 8, 1024, False, False, False),    # ... below: the tl tile
     (32, 4, 1024, True, False, False),     # FP8 32 heads short below batch 8: the tl tile
     (32, 8, 1024, True, False, 32),        # ... from batch 8: the narrow form
@@ -247,10 +247,10 @@ def test_sm90_takes_the_warp_specialized_kernel_from_the_measured_batch(kind, bu
     (16, 1, 4096, False, False, 16),       # ... from batch 1
     (16, 1, 1024, False, False, 16),       # ... short requests from batch 1 too
     (16, 1, 1024, True, False, 16),        # ... and FP8
-    (32, 64, 4096, False, False, 32),      # dense BF16 32 heads from 4096 tokens: the narrow form
+    (32, 64, 4096, False, False, 32),      # dense BF16 32 heads: the narrow form
     (32, 4, 16384, False, False, 32),      # ... at any batch
-    (32, 64, 2048, False, False, 64),      # ... shorter: the token-split form
-    (32, 4, 2048, False, False, False),    # ... shorter at batch 4: the tl tile
+    (32, 64, 2048, False, False, 32),      # ... shorter too (its tiles by TMA)
+    (32, 4, 2048, False, False, 32),       # ... shorter at batch 4
     (32, 4, 16384, True, False, True),     # FP8 32 heads
     (16, 128, 2048, False, True, 16),      # sparse BF16 16 heads at batch 64-128: the narrow form
     (16, 16, 2048, False, True, 16),       # ... and at batch 16
