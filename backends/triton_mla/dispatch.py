@@ -16,6 +16,15 @@ from mla_tune.backends.triton_mla.config import (
     FP8_QUERY_WIDE_PV_REGS, LaunchParams, Tile, hopper_tile, packed_rows, rows_bucket)
 
 
+@dataclass(frozen=True)
+class ShortBatch:
+    """Dense requests shorter than HOPPER_MIN_ITEMS take the Hopper kernel from `min_batch`, if they have at least
+    `min_items` items (shorter ones from HOPPER_SHORT_BATCH_DEFAULT)."""
+
+    min_batch: int
+    min_items: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class MinBatch:
     """The smallest batch from which a kernel form replaces the tl tile (None: never), dense and sparse."""
@@ -127,12 +136,13 @@ HOPPER_QK1_SPARSE_SPLITS = {("16bit", 128): LongerSplits(min_batch=4, min_split_
 # 0.96-1.02 at batch 1.
 HOPPER_MIN_ITEMS = 2048
 HOPPER_SHORT_BATCH_DEFAULT = 64
-HOPPER_SHORT_BATCH = {("fp8", 16): 1, ("fp8", 32): 8, ("fp8", 64): 1, ("fp8", 128): 4, ("16bit", 16): 1,
-                      ("16bit", 32): 16, ("16bit", 64): 2, ("16bit", 128): 1}  # the smallest batch that is not short
-# ... for requests of at least this many items; shorter ones from HOPPER_SHORT_BATCH_DEFAULT. 32 rows at 256 tokens:
-# 1.20x the tl tile's time at batch 32 (bf16, token-split), 1.10x at batch 8 (e4m3, narrow); 16, 64 and 128 rows
-# 0.68-0.91 there (short-requests-h200.txt).
-HOPPER_SHORT_BATCH_MIN_ITEMS = {("fp8", 32): 1024, ("16bit", 32): 1024}
+# 32 rows from 1024 items: at 256 tokens 1.20x the tl tile's time at batch 32 (bf16, token-split), 1.10x at batch 8
+# (e4m3, narrow); 16, 64 and 128 rows 0.68-0.91 there (short-requests-h200.txt).
+HOPPER_SHORT_BATCH = {
+    ("fp8", 16): ShortBatch(1), ("fp8", 32): ShortBatch(8, min_items=1024), ("fp8", 64): ShortBatch(1),
+    ("fp8", 128): ShortBatch(4), ("16bit", 16): ShortBatch(1), ("16bit", 32): ShortBatch(16, min_items=1024),
+    ("16bit", 64): ShortBatch(2), ("16bit", 128): ShortBatch(1),
+}
 
 # Per-form switches of the Hopper kernel, keyed by (form, kind, "dense" | "sparse").
 # The narrow FP8 form's loader warpgroups, by sparse (two: their lookups and gathers run side by side).
@@ -204,9 +214,8 @@ def _kind(kv_fp8: bool) -> str:
 
 def short_requests(*, kind: str, bucket: int, batch: int, max_items: int, sparse: bool) -> bool:
     """Too few tiles per program for the warp-specialised kernel (see HOPPER_SHORT_BATCH)."""
-    key = (kind, bucket)
-    by_key = not sparse and max_items >= HOPPER_SHORT_BATCH_MIN_ITEMS.get(key, 0)
-    min_batch = HOPPER_SHORT_BATCH.get(key, HOPPER_SHORT_BATCH_DEFAULT) if by_key else HOPPER_SHORT_BATCH_DEFAULT
+    rule = None if sparse else HOPPER_SHORT_BATCH.get((kind, bucket))
+    min_batch = rule.min_batch if rule and max_items >= rule.min_items else HOPPER_SHORT_BATCH_DEFAULT
     return max_items < HOPPER_MIN_ITEMS and batch < min_batch
 
 
