@@ -943,3 +943,64 @@ def test_gpu_hopper_runs_inside_a_cuda_graph():
     ref_out, _ = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
                                sm_scale=inputs.sm_scale)
     assert _rel_err(out, ref_out) < 1e-2
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("kv_dtype,fp8_query", [("bf16", False), ("fp16", False), ("fp8_e4m3", False)])
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (3, 2), (20, 1), (32, 1)])
+@pytest.mark.parametrize("split_items", [2560, 640, 64, None])
+def test_gpu_the_narrow_form_merges_its_splits_in_stage1(kv_dtype, fp8_query, heads, q_len, split_items,
+                                                         monkeypatch):
+    # each request's last program merges the partials, no combine: 1 to 79 splits a request in the prepared order
+    # (split_items) or a full grid of 3 (None), edge lengths, permuted pages; three launches (each leaves the counters
+    # at zero), against the float32 reference and the combine's merge of the same partials
+    from dataclasses import replace
+
+    import torch
+
+    from mla_tune.backends.inputs import make_inputs
+    from mla_tune.backends.reference import mla_reference
+    from mla_tune.backends.triton_mla import dispatch
+    from mla_tune.backends.triton_mla.adapter import TritonMLA, TritonMLAFp8Query
+    from mla_tune.backends.triton_mla.config import LaunchParams, rows_bucket
+    from mla_tune.backends.triton_mla.splits import cdiv
+
+    if fp8_query and heads * q_len > 32:
+        pytest.skip("the FP8-query narrow form: up to 32 rows")
+    lens = [max(n, q_len) if n else 0 for n in EDGE_LENGTHS] + [5000, 777, 2048, 4097]
+    problem = _gpu_problem(kv_dtype, num_heads=heads, page_size=16, q_len=q_len)
+    inputs = make_inputs(problem, Shape(len(lens), 5000), device="cuda", seed=13)
+    inputs.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    adapter = TritonMLAFp8Query if fp8_query else TritonMLA
+    if fp8_query:
+        params = LaunchParams(**dispatch.fp8_query_form_tile("narrow", rows_bucket(heads * q_len)).launch_fields())
+    else:
+        params = _params(kv_dtype, heads=heads, q_len=q_len, batch=len(lens), max_items=5000, lengths=lens,
+                         form="narrow")
+    if split_items is None:
+        params = replace(params, num_splits=3, split_items=0, longest_first=False)
+    else:
+        params = replace(params, num_splits=cdiv(5000, split_items), split_items=split_items, longest_first=True)
+    monkeypatch.setattr(dispatch, "MERGE_IN_STAGE1_MAX_SPLITS", 64)
+    assert dispatch.merges_in_stage1(params, sparse=False), params
+    merged = adapter(params).prepare(problem, inputs)
+    for _ in range(3):
+        out, lse = merged.run(inputs)
+        torch.cuda.synchronize()
+        assert int(merged.workspace.merge_counts.abs().sum()) == 0
+    monkeypatch.setattr(dispatch, "MERGE_IN_STAGE1_MAX_SPLITS", 1)
+    combined = adapter(params).prepare(problem, inputs)
+    assert combined.workspace.merge_counts is None
+    out_c, lse_c = combined.run(inputs)
+    ref_out, ref_lse = mla_reference(inputs.q, inputs.kv_cache, inputs.block_table, inputs.seq_lens,
+                                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale)
+    seen = torch.isfinite(ref_lse)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[~seen] == 0).all() and (lse[~seen] == float("-inf")).all()
+    tol = 6e-2 if fp8_query else _tol(kv_dtype)  # FP8-query: the query in e4m3
+    assert float((out[seen].float() - ref_out[seen]).norm() / ref_out[seen].norm()) < tol
+    assert float((lse[seen] - ref_lse[seen]).abs().max()) < 1e-2
+    # the combine's merge: the same partials, summed in another order
+    assert float((out.float() - out_c.float()).abs().max()) <= 2 ** -7 * float(out_c.float().abs().max())
+    assert float((lse[seen] - lse_c[seen]).abs().max()) < 1e-5
