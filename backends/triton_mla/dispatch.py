@@ -189,10 +189,6 @@ COMBINE_SPLITS_AT_ONCE = 32
 # a dependent without the early start was 0.1-0.6 us slower than none: bench/results/combine-launch-h200.txt).
 COMBINE_AFTER_STAGE1 = True
 COMBINE_EARLY_PER_IDLE_SM = 4
-# Dense narrow-form launches of at most this many splits merge them in stage 1 instead (`hopper_merge.py`): each
-# request's last program to finish reads the others' partials and writes the output, and no combine is launched.
-# Off (1): slower than the combine at every split count measured (bench/results/merge-in-stage1-h200.txt).
-MERGE_IN_STAGE1_MAX_SPLITS = 1
 # The waves split model's cost of one split partial, in KV tokens of one program's time per packed query row.
 PARTIAL_ROW_TOKENS = 0.02
 # With per-request lengths (prepare): how the split model schedules the programs, by "dense" / "sparse"
@@ -319,11 +315,6 @@ FP8Q_TMA = True
 # narrow form's 16-32 rows round quickly.
 FP8Q_ROUNDED_QUERY_FORMS = frozenset({"fp8_query_wide"})
 FP8Q_ROUNDED_QUERY_PDL = True
-
-
-def merges_in_stage1(params: LaunchParams, *, sparse: bool) -> bool:
-    """Whether a launch with `params` merges its splits in stage 1 (MERGE_IN_STAGE1_MAX_SPLITS), with no combine."""
-    return params.kernel_form == "narrow" and not sparse and 1 < params.num_splits <= MERGE_IN_STAGE1_MAX_SPLITS
 
 
 def rounds_query_before(params: LaunchParams) -> bool:

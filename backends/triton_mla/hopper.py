@@ -30,7 +30,6 @@ from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, ROWS, KvSource, Program, Ring, _store_query, hopper_smem_bytes)
 from mla_tune.backends.triton_mla.hopper_fp8_query import _run_fp8q
 from mla_tune.backends.triton_mla.hopper_fp8_query_wide import _run_fp8q_wide
-from mla_tune.backends.triton_mla.hopper_merge import Merge
 from mla_tune.backends.triton_mla.hopper_narrow import _run_narrow
 from mla_tune.backends.triton_mla.hopper_qk1 import _run_qk1
 from mla_tune.backends.triton_mla.hopper_token_split import _run_token_split
@@ -63,8 +62,6 @@ def _mla_hopper_kernel(
     order_ptr=None, ORDERED: gl.constexpr = False, kv_lat_desc=None, kv_rope_desc=None, q_amax_ptr=None,
     LAUNCH_COMBINE_EARLY: gl.constexpr = False, POSITIONS_AHEAD: gl.constexpr = False,
     SUMS_UNROUNDED: gl.constexpr = False,
-    count_ptr=None, out_ptr=None, out_lse_ptr=None, stride_fob=0, stride_fot=0, stride_foh=0, stride_flb=0,
-    stride_flt=0, stride_flh=0, MERGE_LAST: gl.constexpr = False,
 ):
     if LAUNCH_COMBINE_EARLY:  # the combine (its programmatic dependent) may start as SMs free up
         gdc_launch_dependents()
@@ -103,13 +100,6 @@ def _mla_hopper_kernel(
                    stride_lh, q_ptr, stride_qb, stride_qt, stride_qh, q_scale, q_amax_ptr, Q_LEN, SPARSE, N_ROWS,
                    BLOCK_N, STAGES, KV_FP8, QUERY_IN_CONSUMER, FENCE_SLOTS, PARTIAL_EVICT_LAST)
 
-    # MERGE_LAST (dispatch.merges_in_stage1): the request's last program to finish merges the partials
-    # (`hopper_merge.py`); an ordered launch runs only the splits that hold tokens (splits.launch_order)
-    n_splits = gl.maximum(gl.cdiv(n_items, split_items), 1) if ORDERED else gl.num_programs(2)
-    merge = Merge(count_ptr, out_ptr, out_lse_ptr, stride_fob, stride_fot, stride_foh, stride_flb, stride_flt,
-                  stride_flh, n_splits, MERGE_LAST)
-    gl.static_assert(not MERGE_LAST or (N_ROWS < ROWS and not SPARSE), "MERGE_LAST: the narrow form, dense")
-
     bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
     src = KvSource(kv_ptr, bt_row, topk_row, seq_len, start, n_tiles, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE,
                    SPARSE, KV_FP8, DS_MLA)
@@ -117,7 +107,7 @@ def _mla_hopper_kernel(
         gl.static_assert(KV_FP8 and not DS_MLA and not SPARSE, "FP8_QUERY: dense, on an e4m3 cache")
         TMA_KV: gl.constexpr = kv_lat_desc is not None  # the launcher's descriptors (launcher.kv_descriptors)
         if N_ROWS < ROWS:
-            _run_fp8q(src, prog, merge, LOAD_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
+            _run_fp8q(src, prog, LOAD_REGS, kv_lat_desc, kv_rope_desc, TMA_KV)
         else:
             _run_fp8q_wide(src, prog, MMA_REGS, kv_lat_desc, kv_rope_desc, TMA_KV, SCORES_AHEAD, PV_ROWS, SCORES_T,
                            ROW_AHEAD, HALF_ROWS, F16_SUMS)
@@ -145,7 +135,7 @@ def _mla_hopper_kernel(
         gl.static_assert(kv_lat_desc is None or ((QK1 or N_ROWS < ROWS) and not KV_FP8),
                          "16-bit TMA copies: the qk1 and narrow forms' loader")
         if N_ROWS < ROWS:
-            _run_narrow(q_lat, q_rope, ring, src, prog, merge, STAGED_LOADERS, LOAD_REGS, kv_lat_desc, kv_rope_desc)
+            _run_narrow(q_lat, q_rope, ring, src, prog, STAGED_LOADERS, LOAD_REGS, kv_lat_desc, kv_rope_desc)
         elif QK1:
             _run_qk1(q_lat, q_rope, ring, src, prog, L2_PREFETCH, LOADER_AHEAD, QUERY_REG_COLS, MMA_REGS, LOAD_REGS,
                      WARP_FLAGS, kv_lat_desc, kv_rope_desc, POSITIONS_AHEAD, SUMS_UNROUNDED)

@@ -27,7 +27,6 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, KvSource, Program, Ring, _partition_barrier)
 from mla_tune.backends.triton_mla.hopper_loaders import _async_load, _tile_rows
-from mla_tune.backends.triton_mla.hopper_merge import Merge
 from mla_tune.backends.triton_mla.hopper_narrow import _narrow_mma
 from mla_tune.backends.triton_mla.hopper_tma import tma_reads, tma_tile
 
@@ -121,8 +120,7 @@ def _fp8q_load_partition(src: KvSource, ring: Ring, v_t, landed, lat_desc, rope_
 
 
 @gluon.jit
-def _run_fp8q(src: KvSource, prog: Program, merge: Merge, LOAD_REGS: gl.constexpr, lat_desc, rope_desc,
-              TMA: gl.constexpr):
+def _run_fp8q(src: KvSource, prog: Program, LOAD_REGS: gl.constexpr, lat_desc, rope_desc, TMA: gl.constexpr):
     """This form's shared memory (e4m3 query, slots, each slot's `v^T`, p^T), its barriers and partitions: the MMA
     warpgroup as the default partition, two loaders (one every other tile)."""
     BLOCK_N: gl.constexpr = prog.BLOCK_N
@@ -146,7 +144,7 @@ def _run_fp8q(src: KvSource, prog: Program, merge: Merge, LOAD_REGS: gl.constexp
         mbarrier.init(landed.index(i), count=1)
     ring = Ring(k_lat, k_rope, full_bars, empty_bars, STAGES)
     gl.warp_specialize([
-        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, merge, v_t, True)),
+        (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, v_t, True)),
         (_fp8q_load_partition, (src, ring, v_t, landed, lat_desc, rope_desc, 0, 2, TMA)),
         (_fp8q_load_partition, (src, ring, v_t, landed, lat_desc, rope_desc, 1, 2, TMA))],
         [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

@@ -20,7 +20,6 @@ from mla_tune.backends.triton_mla.hopper_common import (
     LOAD_WARPS, KvSource, Program, Ring, _full_slot, _inv_sums, _lse, _rows, _store_out, _store_query,
     _store_query_e4m3, _tile_positions)
 from mla_tune.backends.triton_mla.hopper_loaders import _load_partition, _load_partition_staged
-from mla_tune.backends.triton_mla.hopper_merge import Merge, _merge_if_last
 
 
 @gluon.jit
@@ -43,8 +42,7 @@ def _narrow_epilogue(acc, m_i, l_acc, prog: Program, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, merge: Merge, v_t=None,
-                FP8_QUERY: gl.constexpr = False):
+def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, v_t=None, FP8_QUERY: gl.constexpr = False):
     """One MMA warpgroup for `N_ROWS` (16 or 32) rows, the products transposed so the tokens are wgmma's M.
 
     With `FP8_QUERY` (`hopper_fp8_query.py`) every operand is e4m3: these warps round the query with a scale per row
@@ -104,12 +102,10 @@ def _narrow_mma(q_lat, q_rope, ring: Ring, p_smem, prog: Program, merge: Merge, 
         _narrow_epilogue(acc * (1.0 / 256.0), m_i, l_acc * (1.0 / 256.0), prog, s_layout)
     else:
         _narrow_epilogue(acc, m_i, l_acc, prog, s_layout)
-    if merge.ON:
-        _merge_if_last(merge, prog)
 
 
 @gluon.jit
-def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, merge: Merge, STAGED_LOADERS: gl.constexpr,
+def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, STAGED_LOADERS: gl.constexpr,
                 LOAD_REGS: gl.constexpr, lat_desc=None, rope_desc=None):
     """The narrow form's partitions: p^T's shared memory, (FP8) the staging ring of two half tiles, the MMA
     warpgroup as the default partition and the loaders (`STAGED_LOADERS` staged FP8 loaders, or two plain ones, one
@@ -123,23 +119,23 @@ def _run_narrow(q_lat, q_rope, ring: Ring, src: KvSource, prog: Program, merge: 
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if STAGED_LOADERS == 2:
             gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, merge)),
+                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
                 (_load_partition_staged, (src, ring, stage, 0, 1)),
                 (_load_partition_staged, (src, ring, stage, 1, 1))],
                 [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([
-                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, merge)),
+                (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
                 (_load_partition_staged, (src, ring, stage))],
                 [LOAD_WARPS], [LOAD_REGS])
     elif lat_desc is not None:
         gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, merge)),
+            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
             (_load_partition, (src, ring, 0, 1, False, False, lat_desc, rope_desc))],
             [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog, merge)),
+            (_narrow_mma, (q_lat, q_rope, ring, p_smem, prog)),
             (_load_partition, (src, ring, 0, 2, src.DS_MLA)),
             (_load_partition, (src, ring, 1, 2, src.DS_MLA))],
             [LOAD_WARPS, LOAD_WARPS], [LOAD_REGS, LOAD_REGS])

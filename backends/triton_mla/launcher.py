@@ -104,20 +104,11 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     grid = (m_blocks, order.numel(), 1) if params.longest_first else (m_blocks, batch, splits)
     # stage 1 lets a combine start early wherever one follows (a no-op unless the combine is launched as its
     # dependent), so that its build does not depend on the batch; the combine starts early by `_early_combine`
-    merge = dispatch.merges_in_stage1(params, sparse=sparse)
-    combine = splits > 1 and not merge
-    lets_combine_start = combine and _dependent_launches(q)
-    early_combine = combine and _early_combine(q, grid, q_len * num_heads * batch)
+    lets_combine_start = splits > 1 and _dependent_launches(q)
+    early_combine = splits > 1 and _early_combine(q, grid, q_len * num_heads * batch)
     common = dict(Q_LEN=q_len, PAGE_SIZE=page_size, BLOCK_N=params.block_n, SPARSE=sparse,
                   KV_SCALE_IS_PTR=scale_is_ptr, SPLIT_PER_REQUEST=params.split_per_request,
                   order_ptr=order, ORDERED=params.longest_first, LAUNCH_COMBINE_EARLY=lets_combine_start)
-    if merge:
-        if workspace is None or workspace.merge_counts is None:
-            raise ValueError("a launch that merges in stage 1 counts its programs in the workspace's merge_counts "
-                             "(Workspace.for_launch)")
-        common.update(count_ptr=workspace.merge_counts, out_ptr=out, out_lse_ptr=lse, stride_fob=out.stride(0),
-                      stride_fot=out.stride(1), stride_foh=out.stride(2), stride_flb=lse.stride(0),
-                      stride_flt=lse.stride(1), stride_flh=lse.stride(2), MERGE_LAST=True)
     if params.warp_specialized:
         compiled = _launch_hopper(args, grid, common, q=q, kv_cache=kv_cache, params=params, tiles=tiles,
                                   ds_mla=ds_mla, q_amax=q_amax)
@@ -130,12 +121,12 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             DS_MLA=ds_mla,
             num_warps=params.num_warps, num_stages=params.num_stages,
             **({"maxnreg": params.max_regs} if params.max_regs and q.is_cuda else {}))
-    if combine:
-        combine_args = dict(num_heads=num_heads, splits=splits, lengths=seq_lens if params.longest_first else None,
-                            split_items=split_items)
-        _combine(workspace, out, lse, o_strides, l_strides, **combine_args, after_stage1=early_combine)
+    if splits > 1:
+        combine = dict(num_heads=num_heads, splits=splits, lengths=seq_lens if params.longest_first else None,
+                       split_items=split_items)
+        _combine(workspace, out, lse, o_strides, l_strides, **combine, after_stage1=early_combine)
         if combine_variants and lets_combine_start:
-            _combine(workspace, out, lse, o_strides, l_strides, **combine_args, after_stage1=not early_combine,
+            _combine(workspace, out, lse, o_strides, l_strides, **combine, after_stage1=not early_combine,
                      compile_only=True)
     return compiled
 

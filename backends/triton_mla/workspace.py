@@ -29,8 +29,7 @@ class Workspace:
     (request, split) each program runs (`splits.launch_order`, from the prepared lengths: a run on longer requests
     would miss splits; None: the grid's own); `q8` / `q_amax`: the rounded query of a launch of a form in
     `dispatch.rounds_query_before` (`query_e4m3.round_query`), `[batch, q_len, heads, 576]` e4m3 and
-    `[batch, q_len, heads]` fp32; `merge_counts`: int32 zeros, a counter per request and row block for a launch
-    that merges its splits in stage 1 (`dispatch.merges_in_stage1`; each launch leaves them zero)."""
+    `[batch, q_len, heads]` fp32."""
 
     o_part: torch.Tensor | None
     lse_part: torch.Tensor | None
@@ -38,14 +37,13 @@ class Workspace:
     order: torch.Tensor | None = None
     q8: torch.Tensor | None = None
     q_amax: torch.Tensor | None = None
-    merge_counts: torch.Tensor | None = None
 
     @classmethod
     def for_launch(cls, params: LaunchParams, *, batch: int, q_len: int, num_heads: int, sparse: bool,
                    device: torch.device, seq_lens: torch.Tensor | None = None) -> Workspace | None:
         """What a launch with `params` needs, allocated now (None if nothing); `seq_lens`: the requests' lengths,
         which a `longest_first` launch is ordered by (read on the host for such a launch only)."""
-        o_part = lse_part = p_scratch = order = q8 = q_amax = merge_counts = None
+        o_part = lse_part = p_scratch = order = q8 = q_amax = None
         if params.num_splits > 1:
             shape = (batch, params.num_splits, q_len, num_heads)
             o_part = torch.empty(*shape, D_LATENT, dtype=torch.float32, device=device)
@@ -63,9 +61,6 @@ class Workspace:
         if dispatch.rounds_query_before(params):
             q8 = torch.empty(batch, q_len, num_heads, D_LATENT + D_ROPE, dtype=torch.float8_e4m3fn, device=device)
             q_amax = torch.empty(batch, q_len, num_heads, dtype=torch.float32, device=device)
-        if dispatch.merges_in_stage1(params, sparse=sparse):
-            m_blocks = m_blocks_of(params, num_heads=num_heads, q_len=q_len, sparse=sparse)
-            merge_counts = torch.zeros(batch * m_blocks, dtype=torch.int32, device=device)
         if o_part is None and p_scratch is None and order is None and q8 is None:
             return None
-        return cls(o_part, lse_part, p_scratch, order, q8, q_amax, merge_counts)
+        return cls(o_part, lse_part, p_scratch, order, q8, q_amax)

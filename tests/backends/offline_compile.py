@@ -50,15 +50,6 @@ def _order_pointer(const: dict, pointers: dict) -> None:
         const["order_ptr"] = None
 
 
-def _merge_pointers(const: dict, pointers: dict, out_type: str) -> None:
-    """A stage-1 merge's counters and final outputs (`hopper_merge.py`) with MERGE_LAST, else the Nones the
-    launcher passes."""
-    if const.get("MERGE_LAST"):
-        pointers.update(count_ptr="*i32", out_ptr=out_type, out_lse_ptr="*fp32")
-    else:
-        const.update(count_ptr=None, out_ptr=None, out_lse_ptr=None)
-
-
 def _kv_descriptors(const: dict, pointers: dict, block_n: int, page_size: int, tma: bool,
                     col_blocks: int | None = None, kv_type: str = "fp8e4nv") -> None:
     """The TMA descriptors of the cache (`launcher.kv_descriptors`'s boxes and layouts; `kv_type`: its element type
@@ -167,7 +158,6 @@ def hopper_compile(*, kv: str = "bf16", sparse: bool = False, q_len: int = 1, pa
     else:
         const["q_amax_ptr"] = None
     _order_pointer(const, pointers)
-    _merge_pointers(const, pointers, q_type)
     _kv_descriptors(const, pointers, params.block_n, page_size, tma, tma_col_blocks(params), pointers["kv_ptr"][1:])
     signature, attrs = _signature(_mla_hopper_kernel, const, pointers, divisible_strides=lambda n: True)
     # a descriptor takes no pointer's divisibility
