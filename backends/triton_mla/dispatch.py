@@ -182,6 +182,10 @@ TMA_16BIT_MIN_ROWS = {("qk1", "16bit", "dense"): 65, ("narrow", "16bit", "dense"
 
 # Splits whose partials the combine loads together.
 COMBINE_SPLITS_AT_ONCE = 32
+# Up to this many splits (a power of two) the combine loads the partials of a row's splits at once, before their LSEs
+# arrive (one round trip to L2 instead of two). H200, ragged, launches of 2-16 splits over waiting for the LSEs:
+# bf16 0.982 (0.919-1.012), FP8-query backend 0.981 (0.933-1.007); up to 8 alike (combine-launch-h200.txt 3).
+COMBINE_AHEAD_MAX_SPLITS = 16
 # On SM90+: the combine launched as stage 1's programmatic dependent, which every stage-1 program lets start at once,
 # where the SMs stage 1 leaves idle hold its programs at COMBINE_EARLY_PER_IDLE_SM or fewer each: they wait there for
 # stage 1's writes and run as soon as it ends (0.5-0.7 us less at shapes of 9-12 us). Where they would crowd onto a

@@ -186,7 +186,8 @@ def _combine(workspace: Workspace, out, lse, o_strides, l_strides, *, num_heads:
         num_heads, splits, lengths, split_items,
         D_LATENT=D_LATENT, BLOCK_S=triton.next_power_of_2(splits),
         SPLITS_AT_ONCE=min(triton.next_power_of_2(splits), COMBINE_SPLITS_AT_ONCE),
-        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1, num_warps=4,
+        SPLITS_OF_LENGTHS=lengths is not None, AFTER_STAGE1=after_stage1,
+        LOADS_AHEAD=triton.next_power_of_2(splits) <= dispatch.COMBINE_AHEAD_MAX_SPLITS, num_warps=4,
         **({"launch_pdl": True} if after_stage1 else {}),
     )
 

@@ -208,14 +208,16 @@ def _order_case(problem: Problem, shape: Shape, *, device, params=None, fp8_quer
             "follows_order": bool(wrong[1:].isnan().all()), "chosen_longest_first": params.longest_first}
 
 
-# The split combine on its own: (number of splits, splits loaded together); some splits empty (lse -inf, their
-# partial NaN, as an unwritten workspace can be), one row empty in every split.
-COMBINE_CASES = {f"combine_s{splits}_at{at_once}": (splits, at_once)
-                 for splits, at_once in ((1, 1), (2, 1), (2, 8), (3, 8), (8, 8), (11, 8), (11, 1), (11, 16), (64, 8),
-                                         (64, 32))}
+# The split combine on its own: (number of splits, splits loaded together, every partial loaded ahead of the LSEs);
+# some splits empty (lse -inf, their partial NaN, as an unwritten workspace can be), one row empty in every split.
+COMBINE_CASES = {f"combine_s{splits}_at{at_once}{'_ahead' if ahead else ''}": (splits, at_once, ahead)
+                 for splits, at_once, ahead in ((1, 1, False), (2, 1, False), (2, 8, False), (3, 8, False),
+                                                (8, 8, False), (11, 8, False), (11, 1, False), (11, 16, False),
+                                                (64, 8, False), (64, 32, False), (2, 2, True), (3, 4, True),
+                                                (11, 16, True), (16, 16, True))}
 
 
-def _combine_case(splits: int, at_once: int) -> dict:
+def _combine_case(splits: int, at_once: int, ahead: bool = False) -> dict:
     """`_mla_combine_kernel` against a float64 softmax-weighted sum of random partials."""
     import triton
 
@@ -236,7 +238,7 @@ def _combine_case(splits: int, at_once: int) -> dict:
     _mla_combine_kernel[(q_len * heads, batch)](
         o_part, lse_part, out, lse, *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
         heads, splits, None, 0, D_LATENT=d, BLOCK_S=triton.next_power_of_2(splits), SPLITS_AT_ONCE=at_once,
-        num_warps=4)
+        LOADS_AHEAD=ahead, num_warps=4)
     ref_lse = torch.logsumexp(lse_part.double(), dim=1)
     weights = torch.exp(lse_part.double() - ref_lse.unsqueeze(1)).nan_to_num(0.0)  # empty rows: -inf - -inf
     ref = (weights.unsqueeze(-1) * o_part.double().nan_to_num(0.0)).sum(1)
@@ -246,7 +248,7 @@ def _combine_case(splits: int, at_once: int) -> dict:
             "empty_row_zero": bool((out[1, 1, 2] == 0).all())}
 
 
-def _combine_of_lengths_case() -> dict:
+def _combine_of_lengths_case(ahead: bool = False) -> dict:
     """`_mla_combine_kernel` with SPLITS_OF_LENGTHS: each request merges only its splits of `split_items` that hold
     tokens; the others' partials are stale (finite lse, NaN values) and must not be read."""
     import triton
@@ -268,7 +270,7 @@ def _combine_of_lengths_case() -> dict:
     _mla_combine_kernel[(heads, batch)](
         o_part, lse_part, out, lse, *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
         heads, splits, seq_lens, split_items, D_LATENT=d, BLOCK_S=8, SPLITS_AT_ONCE=2, SPLITS_OF_LENGTHS=True,
-        num_warps=4)
+        LOADS_AHEAD=ahead, num_warps=4)
     err = 0.0
     for b, k in enumerate(ran):
         ref_lse = torch.logsumexp(lse_part[b, :k].double(), dim=0)
@@ -283,6 +285,7 @@ def _worker() -> None:
                for name, (kw, shape) in ADAPTER_CASES.items()}
     results.update({name: _combine_case(*case) for name, case in COMBINE_CASES.items()})
     results["combine_of_lengths"] = _combine_of_lengths_case()
+    results["combine_of_lengths_ahead"] = _combine_of_lengths_case(ahead=True)
     for name, (kw, shape) in ORDER_CASES.items():
         results[name] = _order_case(Problem(**kw), Shape(*shape), device="cpu")
     for name, (kwargs, shape, lens, params, scale_tensor, *q_mult) in CPU_CASES.items():
@@ -304,8 +307,9 @@ def test_interpreted_combine_merges_the_splits_exactly(interpreted_results, case
     assert result["lse_ok"] and result["empty_row_zero"], result
 
 
-def test_interpreted_combine_merges_only_the_splits_a_length_holds(interpreted_results):
-    result = interpreted_results["combine_of_lengths"]
+@pytest.mark.parametrize("case", ["combine_of_lengths", "combine_of_lengths_ahead"])
+def test_interpreted_combine_merges_only_the_splits_a_length_holds(interpreted_results, case):
+    result = interpreted_results[case]
     assert not result["nan"] and result["max_err"] < 1e-5, result
 
 
